@@ -1,0 +1,214 @@
+"""The array layer: which framework and device an input lives on, and zero-copy conversion.
+
+Backends see only two kinds of array: ``numpy.ndarray`` (host) and ``cupy.ndarray`` (CUDA).
+Everything else that speaks DLPack (PyTorch tensors, JAX arrays, ...) is viewed as one of those
+without a copy, and results are handed back in the caller's framework and on its device.
+
+bfloat16 is ``ml_dtypes.bfloat16`` on the host.  numpy cannot import a bfloat16 DLPack tensor, so a
+torch bfloat16 CPU tensor crosses as its int16 bit pattern and is re-viewed on the other side (still
+no copy).  Framework detection goes through ``array_api_compat``, which never imports a framework
+the caller has not imported already.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import array_api_compat
+import ml_dtypes
+import numpy as np
+
+bfloat16 = np.dtype(ml_dtypes.bfloat16)
+
+#: The input dtypes every backend is asked about, by name.
+SUPPORTED_DTYPES: tuple[str, ...] = ("float16", "bfloat16", "float32", "float64")
+
+_DLPACK_CPU = 1
+_DLPACK_CUDA = 2
+_DLPACK_CUDA_MANAGED = 13
+
+
+@dataclass(frozen=True)
+class ArrayOrigin:
+    """Where a caller's array came from, so that results can be handed back the same way.
+
+    Attributes
+    ----------
+    framework : str
+        ``"numpy"``, ``"cupy"``, ``"torch"``, ``"jax"`` or the top-level module name of another
+        DLPack producer.
+    device : str
+        ``"cpu"`` or ``"cuda"``.
+    device_id : int
+        Device ordinal (0 on the host).
+    """
+
+    framework: str
+    device: str
+    device_id: int
+
+    def describe(self) -> str:
+        """Return e.g. ``"torch (cuda:0)"``."""
+        where = "cpu" if self.device == "cpu" else f"{self.device}:{self.device_id}"
+        return f"{self.framework} ({where})"
+
+
+def describe_value(value: Any) -> str:
+    """Return a short description of a value for error messages."""
+    if hasattr(value, "shape") and hasattr(value, "dtype"):
+        return f"{type(value).__module__}.{type(value).__name__} of shape {tuple(value.shape)} and dtype {value.dtype}"
+    return f"{type(value).__name__} {value!r}"[:120]
+
+
+def is_array(value: Any) -> bool:
+    """Return True for anything the array layer can take: numpy, CuPy or a DLPack producer."""
+    if isinstance(value, np.ndarray):
+        return True
+    if array_api_compat.is_cupy_array(value):
+        return True
+    return hasattr(value, "__dlpack__") and hasattr(value, "__dlpack_device__")
+
+
+def _cupy() -> ModuleType:
+    try:
+        return importlib.import_module("cupy")
+    except ImportError as error:
+        raise TypeError(
+            "received an array on a CUDA device, but CuPy is not installed "
+            "(pip install 'fastattn[gpu]')"
+        ) from error
+
+
+def to_native(value: Any, name: str) -> tuple[Any, ArrayOrigin]:
+    """View a caller's array as a numpy or CuPy array, without copying.
+
+    Parameters
+    ----------
+    value : array-like
+        numpy array, CuPy array, or any object with ``__dlpack__`` and ``__dlpack_device__``.
+    name : str
+        The argument's name, used in error messages.
+
+    Returns
+    -------
+    native : numpy.ndarray or cupy.ndarray
+        The same memory, same shape and strides.
+    origin : ArrayOrigin
+        What to hand results back as.
+    """
+    if isinstance(value, np.ndarray):
+        return value, ArrayOrigin("numpy", "cpu", 0)
+    if array_api_compat.is_cupy_array(value):
+        return value, ArrayOrigin("cupy", "cuda", int(value.device.id))
+    if array_api_compat.is_torch_array(value):
+        return _torch_to_native(value)
+    if not is_array(value):
+        raise TypeError(
+            f"{name}: expected a numpy array, a CuPy array or a DLPack-capable tensor, "
+            f"received {describe_value(value)}"
+        )
+    framework = type(value).__module__.split(".")[0]
+    device_type, device_id = value.__dlpack_device__()
+    if device_type == _DLPACK_CPU:
+        return np.from_dlpack(value), ArrayOrigin(framework, "cpu", 0)
+    if device_type in (_DLPACK_CUDA, _DLPACK_CUDA_MANAGED):
+        return _cupy().from_dlpack(value), ArrayOrigin(framework, "cuda", int(device_id))
+    raise TypeError(
+        f"{name}: expected an array on the CPU or a CUDA device, received one on DLPack device "
+        f"type {device_type} ({describe_value(value)})"
+    )
+
+
+def _torch_to_native(tensor: Any) -> tuple[Any, ArrayOrigin]:
+    import torch
+
+    tensor = tensor.detach()
+    if tensor.device.type == "cuda":
+        return _cupy().from_dlpack(tensor), ArrayOrigin("torch", "cuda", int(tensor.device.index or 0))
+    if tensor.device.type != "cpu":
+        raise TypeError(f"expected a torch tensor on cpu or cuda, received one on {tensor.device}")
+    if tensor.dtype == torch.bfloat16:
+        bits = np.from_dlpack(tensor.view(torch.int16))
+        return bits.view(bfloat16), ArrayOrigin("torch", "cpu", 0)
+    return np.from_dlpack(tensor), ArrayOrigin("torch", "cpu", 0)
+
+
+def from_native(native: Any, origin: ArrayOrigin) -> Any:
+    """Hand a numpy or CuPy result back in the caller's framework, without copying.
+
+    Parameters
+    ----------
+    native : numpy.ndarray or cupy.ndarray
+        A result computed by a backend on ``origin``'s device.
+    origin : ArrayOrigin
+        As returned by :func:`to_native` for the caller's input.
+    """
+    if origin.framework in ("numpy", "cupy"):
+        return native
+    if origin.framework == "torch":
+        import torch
+
+        if origin.device == "cpu" and native.dtype == bfloat16:
+            return torch.from_dlpack(native.view(np.int16)).view(torch.bfloat16)
+        return torch.from_dlpack(native)
+    if origin.framework == "jax":
+        import jax.numpy as jnp
+
+        return jnp.from_dlpack(native)
+    module = sys.modules.get(origin.framework)
+    converter = getattr(module, "from_dlpack", None)
+    return converter(native) if converter is not None else native
+
+
+def namespace(native: Any) -> ModuleType:
+    """Return the array module (numpy or cupy) of a native array."""
+    if isinstance(native, np.ndarray):
+        return np
+    return _cupy()
+
+
+def dtype_name(dtype: Any) -> str:
+    """Return the canonical name of a numpy/CuPy dtype (``"bfloat16"`` for ml_dtypes')."""
+    return np.dtype(dtype).name
+
+
+def numpy_dtype(name: str) -> np.dtype:
+    """Return the numpy dtype for one of :data:`SUPPORTED_DTYPES`."""
+    return bfloat16 if name == "bfloat16" else np.dtype(name)
+
+
+def accumulation_dtype(name: str) -> np.dtype:
+    """float64 for float64 inputs, float32 for every other supported dtype (the contract's rule)."""
+    return np.dtype(np.float64) if name == "float64" else np.dtype(np.float32)
+
+
+def last_axis_contiguous(native: Any) -> Any:
+    """Return ``native`` itself when its last axis is contiguous, else a contiguous copy."""
+    if native.shape[-1] <= 1 or native.strides[-1] == native.itemsize:
+        return native
+    return namespace(native).ascontiguousarray(native)
+
+
+def empty_bhsd(xp: ModuleType, shape: tuple[int, int, int, int], dtype: Any, layout: str) -> Any:
+    """Allocate a ``(B, H, S, D)``-shaped result whose memory is contiguous in ``layout``.
+
+    For ``"bshd"`` the buffer is ``(B, S, H, D)`` and a swapped view is returned, so handing it back
+    to the caller in their layout is again a view.
+    """
+    batch, heads, seq, dim = shape
+    if layout == "bshd":
+        return xp.empty((batch, seq, heads, dim), dtype=dtype).swapaxes(1, 2)
+    return xp.empty(shape, dtype=dtype)
+
+
+def swap_layout(native: Any, layout: str) -> Any:
+    """Move between ``layout`` order and ``(B, H, S, D)`` order (a view, never a copy).
+
+    For ``"bshd"`` this swaps axes 1 and 2, which is its own inverse, so the same call turns a
+    caller's ``bshd`` input into the ``bhsd`` view backends take and a ``bhsd`` result back.
+    """
+    return native.swapaxes(1, 2) if layout == "bshd" else native

@@ -1,0 +1,1 @@
+"""Compiled CPU kernels (Cython + OpenMP). Import through ``fastattn.backends.cpu``."""

@@ -1,0 +1,49 @@
+"""Backends and their registry.
+
+``available()`` lists every backend with whether it can be used here and why (not);
+``register()`` adds a third-party backend; ``use_backend()`` picks one for a block of code.
+"""
+
+from __future__ import annotations
+
+from .reference import ReferenceBackend
+from .registry import (
+    Backend,
+    BackendStatus,
+    Explanation,
+    UnsupportedError,
+    available,
+    get,
+    names,
+    register,
+    register_unavailable,
+    unregister,
+    use_backend,
+)
+
+register(ReferenceBackend())
+
+try:
+    from .cpu import CpuBackend
+except ImportError as _error:  # the compiled extension is missing or broken
+    register_unavailable("cpu", f"the compiled extension fastattn._cpu failed to import: {_error}")
+else:
+    register(CpuBackend())
+
+from .cuda import unavailable_reason as _cuda_unavailable_reason  # noqa: E402
+
+register_unavailable("cuda", _cuda_unavailable_reason())
+
+__all__ = [
+    "Backend",
+    "BackendStatus",
+    "Explanation",
+    "UnsupportedError",
+    "available",
+    "get",
+    "names",
+    "register",
+    "register_unavailable",
+    "unregister",
+    "use_backend",
+]

@@ -1,0 +1,169 @@
+"""The reference backend: materialising attention over numpy or CuPy, the fallback for everything.
+
+It builds the full ``(B, Hkv, G, Sq, Sk)`` score tensor (G = Hq // Hkv query heads per kv head, so
+K and V are never repeated), applies the whole contract of DESIGN.md §3 to it, and computes the
+analytic backward from the saved ``lse``.  Arithmetic is float64 for float64 inputs and float32
+otherwise.  It accepts every valid problem on either device: it is the answer of last resort, not a
+fast path, and its memory is O(B·Hq·Sq·Sk).
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any
+
+from .. import _arrays
+from .._problem import AttentionExtras, AttentionProblem
+
+
+class ReferenceBackend:
+    """Array-namespace-generic (numpy or CuPy) materialising implementation of the contract."""
+
+    name = "reference"
+    devices = ("cpu", "cuda")
+    priority = 0
+    description = "materialising numpy/CuPy implementation of the whole contract; O(Sq*Sk) memory"
+
+    def not_supported_reasons(self, problem: AttentionProblem) -> list[str]:
+        """The reference runs every valid problem."""
+        return []
+
+    def forward(
+        self, problem: AttentionProblem, q: Any, k: Any, v: Any, extras: AttentionExtras
+    ) -> tuple[Any, Any]:
+        """Return ``(out, lse)`` for ``(B, H, S, D)``-ordered numpy or CuPy inputs."""
+        xp = _arrays.namespace(q)
+        compute = _arrays.accumulation_dtype(problem.dtype)
+        scores = _Scores(problem, xp, q, k, extras)
+        p, row_max, row_sum = scores.softmax_parts()
+        kv = v.astype(compute)
+        grouped_out = xp.einsum("bngqk,bnkd->bngqd", p, kv)
+        has_keys = row_sum > 0
+        grouped_out /= xp.where(has_keys, row_sum, 1)[..., None]
+        lse = xp.where(has_keys, row_max + xp.log(xp.where(has_keys, row_sum, 1)), -xp.inf)
+        out = _into_layout(xp, _ungroup(grouped_out, problem), q.dtype, problem.layout)
+        return out, _ungroup(lse, problem).astype(compute)
+
+    def backward(
+        self,
+        problem: AttentionProblem,
+        dout: Any,
+        q: Any,
+        k: Any,
+        v: Any,
+        out: Any,
+        lse: Any,
+        extras: AttentionExtras,
+    ) -> tuple[Any, Any, Any]:
+        """Return ``(dq, dk, dv)``; dk and dv are summed over each kv head's query group."""
+        xp = _arrays.namespace(q)
+        compute = _arrays.accumulation_dtype(problem.dtype)
+        scores = _Scores(problem, xp, q, k, extras)
+        saved_lse = _group(lse.astype(compute), problem)
+        # exp(s - inf) = 0 for every key of a row that saw none, so such rows get zero gradients.
+        p = xp.exp(scores.masked - xp.where(xp.isfinite(saved_lse), saved_lse, xp.inf)[..., None])
+        grouped_dout = _group(dout.astype(compute), problem)
+        grouped_out = _group(out.astype(compute), problem)
+        kv_v = v.astype(compute)
+        dv = xp.einsum("bngqk,bngqd->bnkd", p, grouped_dout)
+        dp = xp.einsum("bngqd,bnkd->bngqk", grouped_dout, kv_v)
+        delta = (grouped_dout * grouped_out).sum(axis=-1, keepdims=True)
+        ds = p * (dp - delta)
+        if problem.softcap is not None:
+            ds *= 1 - (scores.capped / problem.softcap) ** 2
+        ds *= problem.scale
+        dq = xp.einsum("bngqk,bnkd->bngqd", ds, k.astype(compute))
+        dk = xp.einsum("bngqk,bngqd->bnkd", ds, scores.grouped_q)
+        return (
+            _into_layout(xp, _ungroup(dq, problem), q.dtype, problem.layout),
+            _into_layout(xp, dk, k.dtype, problem.layout),
+            _into_layout(xp, dv, v.dtype, problem.layout),
+        )
+
+
+class _Scores:
+    """The masked score tensor ``(B, Hkv, G, Sq, Sk)`` of a problem, and what the backward needs.
+
+    Attributes
+    ----------
+    grouped_q : array
+        q in the compute dtype, ``(B, Hkv, G, Sq, D)``.
+    capped : array
+        ``scale * q @ k.T`` after softcap, before any mask (the softcap derivative needs it).
+    masked : array
+        ``capped`` plus the float mask, -inf wherever a key is not visible.
+    """
+
+    def __init__(
+        self, problem: AttentionProblem, xp: ModuleType, q: Any, k: Any, extras: AttentionExtras
+    ) -> None:
+        compute = _arrays.accumulation_dtype(problem.dtype)
+        self.xp = xp
+        self.grouped_q = _group(q.astype(compute), problem)
+        scores = xp.einsum("bngqd,bnkd->bngqk", self.grouped_q, k.astype(compute)) * problem.scale
+        if problem.softcap is not None:
+            scores = problem.softcap * xp.tanh(scores / problem.softcap)
+        self.capped = scores
+        visible = _visibility(problem, xp, extras.key_lengths)
+        if problem.mask == "float":
+            scores = scores + _group_mask(extras.mask, problem).astype(compute)
+        elif problem.mask == "bool":
+            mask = _group_mask(extras.mask, problem)
+            visible = mask if visible is None else visible & mask
+        if visible is not None:
+            scores = xp.where(visible, scores, -xp.inf)
+        self.masked = scores
+
+    def softmax_parts(self) -> tuple[Any, Any, Any]:
+        """Return unnormalised probabilities, the row maxima (0 for empty rows) and row sums."""
+        xp = self.xp
+        row_max = self.masked.max(axis=-1)
+        row_max = xp.where(xp.isfinite(row_max), row_max, 0)
+        p = xp.exp(self.masked - row_max[..., None])
+        return p, row_max, p.sum(axis=-1)
+
+
+def _visibility(problem: AttentionProblem, xp: ModuleType, key_lengths: Any) -> Any:
+    """Boolean ``(B|1, 1, 1, Sq, Sk)`` of keys allowed by causal, window and key_lengths, or None."""
+    if problem.causal is None and problem.window is None and key_lengths is None:
+        return None
+    position = xp.arange(problem.seq_q)[:, None] + problem.key_offset
+    key = xp.arange(problem.seq_k)[None, :]
+    visible = xp.ones((problem.seq_q, problem.seq_k), dtype=bool)
+    if problem.causal is not None:
+        visible &= key <= position
+    if problem.window is not None:
+        left, right = problem.window
+        if left >= 0:
+            visible &= key >= position - left
+        if right >= 0:
+            visible &= key <= position + right
+    visible = visible[None, None, None]
+    if key_lengths is not None:
+        visible = visible & (key < key_lengths[:, None, None, None, None])
+    return visible
+
+
+def _group(array: Any, problem: AttentionProblem) -> Any:
+    """``(B, Hq, ...)`` → ``(B, Hkv, G, ...)``: query head h belongs to kv head h // G."""
+    return array.reshape((problem.batch, problem.heads_kv, problem.group_size) + array.shape[2:])
+
+
+def _ungroup(array: Any, problem: AttentionProblem) -> Any:
+    """``(B, Hkv, G, ...)`` → ``(B, Hq, ...)``."""
+    return array.reshape((problem.batch, problem.heads_q) + array.shape[3:])
+
+
+def _group_mask(mask: Any, problem: AttentionProblem) -> Any:
+    """View a 4-axis mask ``(B|1, Hq|1, Sq|1, Sk|1)`` as ``(B|1, Hkv|1, G|1, Sq|1, Sk|1)``."""
+    batch, heads, rows, cols = mask.shape
+    if heads == 1:
+        return mask.reshape(batch, 1, 1, rows, cols)
+    return mask.reshape(batch, problem.heads_kv, problem.group_size, rows, cols)
+
+
+def _into_layout(xp: ModuleType, values: Any, dtype: Any, layout: str) -> Any:
+    """Copy ``(B, H, S, D)`` values into a fresh array of ``dtype`` contiguous in ``layout``."""
+    result = _arrays.empty_bhsd(xp, values.shape, dtype, layout)
+    result[...] = values
+    return result

@@ -1,0 +1,292 @@
+"""The public attention functions: validate once, pick a backend, convert in and out.
+
+Shapes (layout ``"bhsd"``, PyTorch's order; ``"bshd"`` swaps axes 1 and 2 at no cost):
+q ``(B, Hq, Sq, D)``, k ``(B, Hkv, Sk, D)``, v ``(B, Hkv, Sk, Dv)``, out ``(B, Hq, Sq, Dv)``,
+lse ``(B, Hq, Sq)``.  The semantics of every option are those of DESIGN.md §3.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from . import _arrays
+from ._validation import PreparedCall, prepare
+from .backends import registry
+from .backends.registry import Explanation, UnsupportedError
+
+__all__ = [
+    "attention",
+    "attention_backward",
+    "explain",
+    "scaled_dot_product_attention",
+]
+
+
+def _check_backend_argument(backend: Any) -> None:
+    if backend is not None and not isinstance(backend, str):
+        raise TypeError(f"backend: expected a backend name (str) or None, received {backend!r}")
+    if backend is not None and backend not in registry.names():
+        raise ValueError(f"backend: expected one of {registry.names()}, received {backend!r}")
+
+
+def attention(
+    q: Any,
+    k: Any,
+    v: Any,
+    *,
+    causal: bool | str = False,
+    scale: float | None = None,
+    mask: Any = None,
+    key_lengths: Any = None,
+    window: tuple[int, int] | None = None,
+    softcap: float | None = None,
+    layout: str = "bhsd",
+    return_lse: bool = False,
+    backend: str | None = None,
+) -> Any:
+    """Scaled-dot-product attention, ``softmax(q @ k.T * scale + bias) @ v``, computed exactly.
+
+    Parameters
+    ----------
+    q : array, (B, Hq, Sq, D)
+        Queries: numpy, CuPy, or any DLPack tensor (torch, JAX); float16, bfloat16, float32 or
+        float64.  The last axis must be contiguous to avoid a copy; other strides are free.
+    k : array, (B, Hkv, Sk, D)
+        Keys, same dtype and device as q.  ``Hq % Hkv == 0``; query head h reads kv head
+        ``h // (Hq // Hkv)`` (grouped-query attention), without repeating k.
+    v : array, (B, Hkv, Sk, Dv)
+        Values, same dtype and device as q; ``Dv`` may differ from ``D``.
+    causal : {False, True, "top_left", "bottom_right"}
+        ``True``/``"top_left"``: key j visible to query i iff ``j <= i`` (PyTorch ``is_causal``);
+        ``"bottom_right"``: iff ``j <= i + Sk - Sq`` (FlashAttention >= 2.1, what a KV cache needs).
+    scale : float, optional
+        Multiplier of the scores; ``1 / sqrt(D)`` by default.
+    mask : array, optional
+        Broadcastable to ``(B, Hq, Sq, Sk)`` (whatever the layout); bool (True = may attend) or
+        float (added to the scores after softcap).  Never expanded.
+    key_lengths : int array (B,), optional
+        Keys ``j >= key_lengths[b]`` are padding, for every query of batch row b.
+    window : (int, int), optional
+        Sliding window ``(left, right)``, -1 for unbounded: key j visible iff
+        ``i' - left <= j <= i' + right``, where ``i'`` is the query's position under the ``causal``
+        alignment (``i``, or ``i + Sk - Sq`` for ``"bottom_right"``; ``i`` when not causal).
+        With causal, keys right of ``i'`` stay hidden whatever ``right`` is.
+    softcap : float, optional
+        Scores become ``softcap * tanh(scores / softcap)`` before masking (Gemma 2).
+    layout : {"bhsd", "bshd"}
+        Axis order of q, k, v and out.
+    return_lse : bool
+        Also return the log-sum-exp of each row's scores.
+    backend : str, optional
+        Run on this backend or raise :class:`fastattn.UnsupportedError` with its reasons.
+
+    Returns
+    -------
+    out : array, (B, Hq, Sq, Dv)
+        In q's dtype, framework, device and layout.  A query row that sees no key gets zeros.
+    lse : array, (B, Hq, Sq)
+        Only with ``return_lse=True``: natural log of the row's softmax denominator (scale
+        included), float32 (float64 for float64 inputs), in q's framework; ``-inf`` for a row that
+        sees no key.
+    """
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse: expected a bool, received {return_lse!r}")
+    _check_backend_argument(backend)
+    call = prepare(
+        "forward",
+        {"q": q, "k": k, "v": v},
+        causal=causal,
+        scale=scale,
+        mask=mask,
+        key_lengths=key_lengths,
+        window=window,
+        softcap=softcap,
+        layout=layout,
+    )
+    chosen = registry.select(call.problem, backend)
+    out, lse = chosen.forward(call.problem, call.arrays["q"], call.arrays["k"], call.arrays["v"], call.extras)
+    result = _arrays.from_native(_arrays.swap_layout(out, call.problem.layout), call.origin)
+    if return_lse:
+        return result, _arrays.from_native(lse, call.origin)
+    return result
+
+
+def attention_backward(
+    dout: Any,
+    q: Any,
+    k: Any,
+    v: Any,
+    out: Any,
+    lse: Any,
+    *,
+    causal: bool | str = False,
+    scale: float | None = None,
+    mask: Any = None,
+    key_lengths: Any = None,
+    window: tuple[int, int] | None = None,
+    softcap: float | None = None,
+    layout: str = "bhsd",
+    backend: str | None = None,
+) -> tuple[Any, Any, Any]:
+    """Gradients of :func:`attention` with respect to q, k and v.
+
+    Parameters
+    ----------
+    dout : array, (B, Hq, Sq, Dv)
+        Gradient of the loss with respect to ``out``; q's dtype.
+    q, k, v : arrays
+        The forward's inputs.
+    out : array, (B, Hq, Sq, Dv)
+        The forward's output.
+    lse : array, (B, Hq, Sq)
+        The forward's ``lse`` (``return_lse=True``); float32, float64 for float64 inputs.
+    causal, scale, mask, key_lengths, window, softcap, layout, backend
+        Exactly as given to the forward.
+
+    Returns
+    -------
+    dq : array, (B, Hq, Sq, D)
+    dk : array, (B, Hkv, Sk, D)
+        Summed over the query heads of each kv head's group.
+    dv : array, (B, Hkv, Sk, Dv)
+        Summed likewise.  All three in the inputs' dtype, framework, device and layout; rows that
+        see no key and keys that nobody sees get exactly zero gradient.
+    """
+    _check_backend_argument(backend)
+    call = prepare(
+        "backward",
+        {"q": q, "k": k, "v": v, "dout": dout, "out": out, "lse": lse},
+        causal=causal,
+        scale=scale,
+        mask=mask,
+        key_lengths=key_lengths,
+        window=window,
+        softcap=softcap,
+        layout=layout,
+    )
+    chosen = registry.select(call.problem, backend)
+    a = call.arrays
+    grads = chosen.backward(call.problem, a["dout"], a["q"], a["k"], a["v"], a["out"], a["lse"], call.extras)
+    return tuple(  # type: ignore[return-value]
+        _arrays.from_native(_arrays.swap_layout(grad, call.problem.layout), call.origin) for grad in grads
+    )
+
+
+def explain(
+    q: Any,
+    k: Any,
+    v: Any,
+    *,
+    causal: bool | str = False,
+    scale: float | None = None,
+    mask: Any = None,
+    key_lengths: Any = None,
+    window: tuple[int, int] | None = None,
+    softcap: float | None = None,
+    layout: str = "bhsd",
+    backend: str | None = None,
+) -> Explanation:
+    """Say which backend would run ``attention(q, k, v, **options)`` and why the others decline.
+
+    Takes the same arguments as :func:`attention` and validates them the same way, but runs
+    nothing.  ``print()`` the result for the report; its attributes hold the same facts.
+
+    Returns
+    -------
+    Explanation
+        ``chosen`` (forward), ``chosen_backward``, ``source`` of the choice, and ``reasons`` per
+        registered backend.
+    """
+    _check_backend_argument(backend)
+    call: PreparedCall = prepare(
+        "forward",
+        {"q": q, "k": k, "v": v},
+        causal=causal,
+        scale=scale,
+        mask=mask,
+        key_lengths=key_lengths,
+        window=window,
+        softcap=softcap,
+        layout=layout,
+    )
+    backward_problem = dataclasses.replace(call.problem, direction="backward")
+    return registry.explain_problem(call.problem, backward_problem, backend)
+
+
+def scaled_dot_product_attention(
+    query: Any,
+    key: Any,
+    value: Any,
+    attn_mask: Any = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> Any:
+    """Drop-in for ``torch.nn.functional.scaled_dot_product_attention``, on fastattn's backends.
+
+    Parameters
+    ----------
+    query : array, (N, Hq, L, E) or (N, L, E)
+    key : array, (N, Hkv, S, E) or (N, S, E)
+    value : array, (N, Hkv, S, Ev) or (N, S, Ev)
+    attn_mask : array, optional
+        Broadcastable to ``(N, Hq, L, S)``: bool (True = takes part) or float (added).
+    dropout_p : float
+        Must be 0: attention dropout is not implemented, and ``> 0`` raises
+        :class:`fastattn.UnsupportedError` rather than being ignored.
+    is_causal : bool
+        Top-left causal mask (PyTorch's convention); not allowed together with ``attn_mask``.
+    scale : float, optional
+        ``1 / sqrt(E)`` by default.
+    enable_gqa : bool
+        Allow ``Hkv < Hq`` (``Hq % Hkv == 0``); without it the head counts must match.
+
+    Returns
+    -------
+    array, (N, Hq, L, Ev) or (N, L, Ev)
+        In query's dtype, framework and device.  Unlike PyTorch, a row that sees no key gives
+        zeros, not NaN.
+    """
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
+        raise TypeError(f"dropout_p: expected a float in [0, 1], received {dropout_p!r}")
+    if not 0.0 <= dropout_p <= 1.0:
+        raise ValueError(f"dropout_p: expected a float in [0, 1], received {dropout_p!r}")
+    if dropout_p > 0.0:
+        raise UnsupportedError(
+            f"dropout_p={dropout_p} is not supported",
+            ["attention dropout is not implemented by any fastattn backend; pass dropout_p=0.0"],
+        )
+    if not isinstance(is_causal, bool):
+        raise TypeError(f"is_causal: expected a bool, received {is_causal!r}")
+    if not isinstance(enable_gqa, bool):
+        raise TypeError(f"enable_gqa: expected a bool, received {enable_gqa!r}")
+    if is_causal and attn_mask is not None:
+        raise ValueError(
+            "attn_mask: expected None when is_causal=True (PyTorch's rule), received an array"
+        )
+    arrays = {"query": query, "key": key, "value": value}
+    ndims = {}
+    for name, array in arrays.items():
+        ndim = getattr(array, "ndim", None)
+        if ndim not in (3, 4):
+            raise ValueError(
+                f"{name}: expected a 4-D (N, H, L, E) or 3-D (N, L, E) array, received "
+                f"{_arrays.describe_value(array)}"
+            )
+        ndims[name] = ndim
+    if len(set(ndims.values())) != 1:
+        raise ValueError(f"key, value: expected the same number of axes as query, received {ndims}")
+    unbatched_heads = ndims["query"] == 3
+    if unbatched_heads:
+        query, key, value = (x[:, None] for x in (query, key, value))
+        if getattr(attn_mask, "ndim", 0) == 3:
+            attn_mask = attn_mask[:, None]
+    if not enable_gqa and query.shape[1] != key.shape[1]:
+        raise ValueError(
+            f"key: expected {query.shape[1]} heads like query (pass enable_gqa=True for grouped-query "
+            f"attention), received {key.shape[1]}"
+        )
+    out = attention(query, key, value, causal=is_causal, scale=scale, mask=attn_mask)
+    return out[:, 0] if unbatched_heads else out

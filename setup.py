@@ -1,0 +1,84 @@
+"""Build the ``fastattn._cpu`` extensions, with OpenMP where the compiler has it.
+
+OpenMP support is probed by compiling and linking a tiny program with ``-fopenmp``.  Where the
+probe fails (a compiler without OpenMP) the extensions are built serially and the build says so;
+it never fails for want of OpenMP.  ``FASTATTN_DISABLE_OPENMP=1`` forces the serial build.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+
+from Cython.Build import cythonize
+from setuptools import Extension, setup
+
+_OPENMP_PROBE = r"""
+#include <omp.h>
+int main(void) {
+    int n = 0;
+    #pragma omp parallel reduction(+:n)
+    n += 1;
+    return n > 0 ? 0 : 1;
+}
+"""
+
+
+def _compiler() -> str:
+    return os.environ.get("CC") or sysconfig.get_config_var("CC").split()[0] or "cc"
+
+
+def _openmp_flags() -> list[str]:
+    """Return the OpenMP compile/link flag list, or [] where OpenMP cannot be used."""
+    if os.environ.get("FASTATTN_DISABLE_OPENMP") == "1":
+        print("fastattn: OpenMP disabled by FASTATTN_DISABLE_OPENMP=1; building serial kernels")
+        return []
+    if sys.platform == "win32":
+        return ["/openmp"]
+    compiler = _compiler()
+    if shutil.which(compiler) is None:
+        print(f"fastattn: compiler {compiler!r} not found for the OpenMP probe; building serial kernels")
+        return []
+    with tempfile.TemporaryDirectory() as tmp:
+        source = os.path.join(tmp, "probe.c")
+        with open(source, "w") as handle:
+            handle.write(_OPENMP_PROBE)
+        result = subprocess.run(
+            [compiler, "-fopenmp", source, "-o", os.path.join(tmp, "probe")],
+            capture_output=True,
+            text=True,
+        )
+    if result.returncode != 0:
+        print(
+            f"fastattn: {compiler} cannot build OpenMP code ({result.stderr.strip()[:200]}); "
+            "building serial kernels"
+        )
+        return []
+    print(f"fastattn: building the CPU kernels with OpenMP ({compiler} -fopenmp)")
+    return ["-fopenmp"]
+
+
+_omp = _openmp_flags()
+_compile_args = ["-O3"] if sys.platform != "win32" else ["/O2"]
+
+extensions = [
+    Extension(
+        "fastattn._cpu._runtime",
+        ["fastattn/_cpu/_runtime.pyx"],
+        include_dirs=["fastattn/_cpu"],
+        extra_compile_args=_compile_args + _omp,
+        extra_link_args=_omp if sys.platform != "win32" else [],
+    ),
+]
+
+setup(
+    ext_modules=cythonize(
+        extensions,
+        compiler_directives={"language_level": "3", "boundscheck": False, "wraparound": False},
+        compile_time_env={},
+    ),
+)

@@ -1,0 +1,102 @@
+"""Forward pass of every available backend against the float64 oracle."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import fastattn
+
+from . import _oracle
+from ._cases import FORWARD_TOLERANCE, Case, bhsd_float64, cases, make_inputs, relative_error
+
+ALL_DTYPES = ("float64", "float32", "float16", "bfloat16")
+
+
+def run_or_decline(backend: str, case: Case, inputs: dict) -> tuple | None:
+    """Run the forward on ``backend``; None (after checking the refusal) when it declines."""
+    explanation = fastattn.explain(inputs["q"], inputs["k"], inputs["v"], **case.kwargs(inputs))
+    reasons = explanation.reasons[backend]
+    if reasons:
+        with pytest.raises(fastattn.UnsupportedError) as raised:
+            fastattn.attention(inputs["q"], inputs["k"], inputs["v"], backend=backend, **case.kwargs(inputs))
+        assert raised.value.reasons == reasons
+        return None
+    return fastattn.attention(
+        inputs["q"], inputs["k"], inputs["v"], backend=backend, return_lse=True, **case.kwargs(inputs)
+    )
+
+
+def check_forward(backend: str, case: Case) -> None:
+    inputs = make_inputs(case)
+    before = {name: np.array(value, copy=True) for name, value in inputs.items() if value is not None}
+    result = run_or_decline(backend, case, inputs)
+    for name, value in before.items():
+        assert np.array_equal(inputs[name], value, equal_nan=True), f"{name} was written to"
+    if result is None:
+        return
+    out, lse = result
+    assert out.dtype == inputs["q"].dtype
+    assert lse.dtype == (np.float64 if case.dtype == "float64" else np.float32)
+    expected_shape = (case.batch, case.heads_q, case.seq_q, case.head_dim_v)
+    assert bhsd_float64(out, case.layout).shape == expected_shape
+    assert lse.shape == expected_shape[:3]
+
+    q, k, v = (bhsd_float64(inputs[name], case.layout) for name in "qkv")
+    expected_out, expected_lse = _oracle.forward(q, k, v, case.oracle_options(inputs))
+    got_out = bhsd_float64(out, case.layout)
+    got_lse = np.asarray(lse, dtype=np.float64)
+
+    assert not np.isnan(got_out).any(), "NaN in out (an unwritten element or a 0/0)"
+    empty_rows = np.isneginf(expected_lse)
+    assert np.array_equal(np.isneginf(got_lse), empty_rows), "lse = -inf exactly on rows that see no key"
+    assert np.all(got_out[empty_rows] == 0), "rows that see no key must be exactly 0"
+    tolerance = FORWARD_TOLERANCE[case.dtype]
+    assert relative_error(got_out, expected_out) <= tolerance
+    assert relative_error(got_lse[~empty_rows], expected_lse[~empty_rows]) <= tolerance
+
+
+@settings(max_examples=500)
+@given(case=cases())
+def test_forward_matches_oracle(backend: str, case: Case) -> None:
+    check_forward(backend, case)
+
+
+@settings(max_examples=60)
+@given(case=cases(dtypes=("float16", "bfloat16")))
+def test_forward_half_precision_matches_oracle(backend: str, case: Case) -> None:
+    check_forward(backend, case)
+
+
+@settings(max_examples=40)
+@given(case=cases(), seq_k=st.integers(1, 40))
+def test_decode_single_query(backend: str, case: Case, seq_k: int) -> None:
+    """Sq = 1 against a long cache, bottom-right: the KV-cache step."""
+    lengths = None if case.key_lengths is None else tuple(min(n, seq_k) for n in case.key_lengths)
+    check_forward(
+        backend,
+        dataclasses.replace(
+            case, seq_q=1, seq_k=seq_k, causal="bottom_right", mask_kind=None, mask_shape=None, key_lengths=lengths
+        ),
+    )
+
+
+def test_fully_masked_rows_are_zero_with_minus_inf_lse(backend: str) -> None:
+    rng = np.random.default_rng()
+    q = rng.standard_normal((1, 2, 6, 16))
+    k = rng.standard_normal((1, 2, 4, 16))
+    v = rng.standard_normal((1, 2, 4, 16))
+    mask = np.ones((6, 4), dtype=bool)
+    mask[2] = False
+    out, lse = fastattn.attention(q, k, v, mask=mask, return_lse=True, backend="reference")
+    assert np.all(out[:, :, 2] == 0) and np.all(np.isneginf(lse[:, :, 2]))
+    explanation = fastattn.explain(q, k, v, mask=mask)
+    if explanation.reasons[backend]:
+        pytest.skip(f"{backend} declines this problem: {explanation.reasons[backend]}")
+    out_b, lse_b = fastattn.attention(q, k, v, mask=mask, return_lse=True, backend=backend)
+    assert np.all(out_b[:, :, 2] == 0) and np.all(np.isneginf(lse_b[:, :, 2]))
+    assert relative_error(out_b, out) <= FORWARD_TOLERANCE["float64"]
