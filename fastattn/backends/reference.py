@@ -1,7 +1,7 @@
 """The reference backend: materialising attention over numpy or CuPy, the fallback for everything.
 
-It builds the full ``(B, Hkv, G, Sq, Sk)`` score tensor (G = Hq // Hkv query heads per kv head, so
-K and V are never repeated), applies the whole contract of DESIGN.md §3 to it, and computes the
+It builds the full ``(B, Hkv, G, Sq, Sk)`` score tensor (G = Hq // Hkv query heads per kv head; K and
+V broadcast over G in batched matmuls, never repeated), applies the whole contract of DESIGN.md §3 to it, and computes the
 analytic backward from the saved ``lse``.  Arithmetic is float64 for float64 inputs and float32
 otherwise.  It accepts every valid problem on either device: it is the answer of last resort, not a
 fast path, and its memory is O(B·Hq·Sq·Sk).
@@ -37,7 +37,7 @@ class ReferenceBackend:
         scores = _Scores(problem, xp, q, k, extras)
         p, row_max, row_sum = scores.softmax_parts()
         kv = v.astype(compute)
-        grouped_out = xp.einsum("bngqk,bnkd->bngqd", p, kv)
+        grouped_out = p @ kv[:, :, None]
         has_keys = row_sum > 0
         grouped_out /= xp.where(has_keys, row_sum, 1)[..., None]
         lse = xp.where(has_keys, row_max + xp.log(xp.where(has_keys, row_sum, 1)), -xp.inf)
@@ -65,15 +65,15 @@ class ReferenceBackend:
         grouped_dout = _group(dout.astype(compute), problem)
         grouped_out = _group(out.astype(compute), problem)
         kv_v = v.astype(compute)
-        dv = xp.einsum("bngqk,bngqd->bnkd", p, grouped_dout)
-        dp = xp.einsum("bngqd,bnkd->bngqk", grouped_dout, kv_v)
+        dv = (p.swapaxes(-1, -2) @ grouped_dout).sum(axis=2)
+        dp = grouped_dout @ kv_v[:, :, None].swapaxes(-1, -2)
         delta = (grouped_dout * grouped_out).sum(axis=-1, keepdims=True)
         ds = p * (dp - delta)
         if problem.softcap is not None:
             ds *= 1 - (scores.capped / problem.softcap) ** 2
         ds *= problem.scale
-        dq = xp.einsum("bngqk,bnkd->bngqd", ds, k.astype(compute))
-        dk = xp.einsum("bngqk,bngqd->bnkd", ds, scores.grouped_q)
+        dq = ds @ k.astype(compute)[:, :, None]
+        dk = (ds.swapaxes(-1, -2) @ scores.grouped_q).sum(axis=2)
         return (
             _into_layout(xp, _ungroup(dq, problem), q.dtype, problem.layout),
             _into_layout(xp, dk, k.dtype, problem.layout),
@@ -100,7 +100,7 @@ class _Scores:
         compute = _arrays.accumulation_dtype(problem.dtype)
         self.xp = xp
         self.grouped_q = _group(q.astype(compute), problem)
-        scores = xp.einsum("bngqd,bnkd->bngqk", self.grouped_q, k.astype(compute)) * problem.scale
+        scores = (self.grouped_q @ k.astype(compute)[:, :, None].swapaxes(-1, -2)) * problem.scale
         if problem.softcap is not None:
             scores = problem.softcap * xp.tanh(scores / problem.softcap)
         self.capped = scores
