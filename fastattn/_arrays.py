@@ -73,13 +73,24 @@ def is_array(value: Any) -> bool:
     return hasattr(value, "__dlpack__") and hasattr(value, "__dlpack_device__")
 
 
-def _cupy() -> ModuleType:
+def _cupy(name: str = "array") -> ModuleType:
     try:
         return importlib.import_module("cupy")
     except ImportError as error:
         raise TypeError(
-            "received an array on a CUDA device, but CuPy is not installed "
-            "(pip install 'fastattn[gpu]')"
+            f"{name}: expected a host array, or CuPy installed for arrays on a CUDA device "
+            "(pip install 'fastattn[gpu]'); received an array on a CUDA device"
+        ) from error
+
+
+def _import_dlpack(module: Any, value: Any, name: str) -> Any:
+    """``module.from_dlpack(value)``, with a refusal turned into a TypeError naming the argument."""
+    try:
+        return module.from_dlpack(value)
+    except (BufferError, RuntimeError, TypeError, ValueError) as error:
+        raise TypeError(
+            f"{name}: expected a dense array of a supported dtype that DLPack can share, "
+            f"received {describe_value(value)} ({type(error).__name__}: {error})"
         ) from error
 
 
@@ -105,7 +116,7 @@ def to_native(value: Any, name: str) -> tuple[Any, ArrayOrigin]:
     if array_api_compat.is_cupy_array(value):
         return value, ArrayOrigin("cupy", "cuda", int(value.device.id))
     if array_api_compat.is_torch_array(value):
-        return _torch_to_native(value)
+        return _torch_to_native(value, name)
     if not is_array(value):
         raise TypeError(
             f"{name}: expected a numpy array, a CuPy array or a DLPack-capable tensor, "
@@ -114,27 +125,28 @@ def to_native(value: Any, name: str) -> tuple[Any, ArrayOrigin]:
     framework = type(value).__module__.split(".")[0]
     device_type, device_id = value.__dlpack_device__()
     if device_type == _DLPACK_CPU:
-        return np.from_dlpack(value), ArrayOrigin(framework, "cpu", 0)
+        return _import_dlpack(np, value, name), ArrayOrigin(framework, "cpu", 0)
     if device_type in (_DLPACK_CUDA, _DLPACK_CUDA_MANAGED):
-        return _cupy().from_dlpack(value), ArrayOrigin(framework, "cuda", int(device_id))
+        return _import_dlpack(_cupy(name), value, name), ArrayOrigin(framework, "cuda", int(device_id))
     raise TypeError(
         f"{name}: expected an array on the CPU or a CUDA device, received one on DLPack device "
         f"type {device_type} ({describe_value(value)})"
     )
 
 
-def _torch_to_native(tensor: Any) -> tuple[Any, ArrayOrigin]:
+def _torch_to_native(tensor: Any, name: str) -> tuple[Any, ArrayOrigin]:
     import torch
 
     tensor = tensor.detach()
     if tensor.device.type == "cuda":
-        return _cupy().from_dlpack(tensor), ArrayOrigin("torch", "cuda", int(tensor.device.index or 0))
+        native = _import_dlpack(_cupy(name), tensor, name)
+        return native, ArrayOrigin("torch", "cuda", int(tensor.device.index or 0))
     if tensor.device.type != "cpu":
-        raise TypeError(f"expected a torch tensor on cpu or cuda, received one on {tensor.device}")
+        raise TypeError(f"{name}: expected a torch tensor on cpu or cuda, received one on {tensor.device}")
     if tensor.dtype == torch.bfloat16:
-        bits = np.from_dlpack(tensor.view(torch.int16))
+        bits = _import_dlpack(np, tensor.view(torch.int16), name)
         return bits.view(bfloat16), ArrayOrigin("torch", "cpu", 0)
-    return np.from_dlpack(tensor), ArrayOrigin("torch", "cpu", 0)
+    return _import_dlpack(np, tensor, name), ArrayOrigin("torch", "cpu", 0)
 
 
 def from_native(native: Any, origin: ArrayOrigin) -> Any:
@@ -166,9 +178,7 @@ def from_native(native: Any, origin: ArrayOrigin) -> Any:
 
 def namespace(native: Any) -> ModuleType:
     """Return the array module (numpy or cupy) of a native array."""
-    if isinstance(native, np.ndarray):
-        return np
-    return _cupy()
+    return np if isinstance(native, np.ndarray) else _cupy()
 
 
 def dtype_name(dtype: Any) -> str:

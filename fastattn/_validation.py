@@ -68,7 +68,8 @@ def _softcap(softcap: Any) -> float | None:
     return value
 
 
-def _window(window: Any) -> tuple[int, int] | None:
+def _window(window: Any, seq_q: int, seq_k: int) -> tuple[int, int] | None:
+    """Validate a window; a side of at least Sq + Sk hides nothing and becomes -1 (unbounded)."""
     if window is None:
         return None
     if (
@@ -84,7 +85,7 @@ def _window(window: Any) -> tuple[int, int] | None:
         raise ValueError(
             f"window: expected sides >= 0, or -1 for unbounded, received ({left}, {right})"
         )
-    return left, right
+    return tuple(-1 if side >= seq_q + seq_k else side for side in (left, right))  # type: ignore[return-value]
 
 
 def _layout(layout: Any) -> Layout:
@@ -130,10 +131,12 @@ def _element_strides(native: Any) -> tuple[int, int, int, int]:
     return tuple(stride // native.itemsize for stride in native.strides)  # type: ignore[return-value]
 
 
-def _mask(mask: Any, origin: _arrays.ArrayOrigin, full_shape: tuple[int, int, int, int]) -> tuple[Any, str | None]:
+def _mask(
+    name: str, mask: Any, origin: _arrays.ArrayOrigin, full_shape: tuple[int, int, int, int]
+) -> tuple[Any, str | None]:
     if mask is None:
         return None, None
-    native, _ = _native("mask", mask, origin)
+    native, _ = _native(name, mask, origin)
     dtype = native.dtype
     if dtype == np.bool_:
         kind = "bool"
@@ -141,14 +144,14 @@ def _mask(mask: Any, origin: _arrays.ArrayOrigin, full_shape: tuple[int, int, in
         kind = "float"
     else:
         raise TypeError(
-            f"mask: expected a bool array (True = may attend) or a float array (added to the scores), "
+            f"{name}: expected a bool array (True = may attend) or a float array (added to the scores), "
             f"received dtype {_arrays.dtype_name(dtype)}"
         )
     if native.ndim > 4 or any(
         size not in (1, full) for size, full in zip(native.shape[::-1], full_shape[::-1])
     ):
         raise ValueError(
-            f"mask: expected a shape broadcastable to (B, Hq, Sq, Sk) = {full_shape}, "
+            f"{name}: expected a shape broadcastable to (B, Hq, Sq, Sk) = {full_shape}, "
             f"received {tuple(native.shape)}"
         )
     return native.reshape((1,) * (4 - native.ndim) + tuple(native.shape)), kind
@@ -188,6 +191,7 @@ def prepare(
     window: Any = None,
     softcap: Any = None,
     layout: Any = "bhsd",
+    labels: dict[str, str] | None = None,
 ) -> PreparedCall:
     """Validate a call and build its problem.
 
@@ -200,6 +204,9 @@ def prepare(
         passed them (any supported framework).
     causal, scale, mask, key_lengths, window, softcap, layout
         As in :func:`fastattn.attention`.
+    labels : dict, optional
+        The caller's names for ``q``, ``k``, ``v`` and ``mask`` in error messages (for
+        ``scaled_dot_product_attention``: query, key, value, attn_mask).
 
     Returns
     -------
@@ -207,30 +214,31 @@ def prepare(
         Native arrays in ``(B, H, S, D)`` order (views of the caller's memory; a copy only where the
         last axis was not contiguous), the problem, the extras and the caller's origin.
     """
+    label = {"q": "q", "k": "k", "v": "v", "mask": "mask", **(labels or {})}
     layout = _layout(layout)
-    native_q, origin = _native("q", arrays["q"], None)
-    dtype = _float_input("q", native_q, None)
+    native_q, origin = _native(label["q"], arrays["q"], None)
+    dtype = _float_input(label["q"], native_q, None)
     natives = {"q": native_q}
     for name in ("k", "v"):
-        natives[name], _ = _native(name, arrays[name], origin)
-        _float_input(name, natives[name], dtype)
+        natives[name], _ = _native(label[name], arrays[name], origin)
+        _float_input(label[name], natives[name], dtype)
     bhsd = {name: _arrays.swap_layout(native, layout) for name, native in natives.items()}
     batch, heads_q, seq_q, head_dim = bhsd["q"].shape
     _, heads_kv, seq_k, _ = bhsd["k"].shape
     head_dim_v = bhsd["v"].shape[3]
     if min(batch, heads_q, seq_q, head_dim) < 1:
-        raise ValueError(f"q: expected every size >= 1, received shape {tuple(natives['q'].shape)}")
+        raise ValueError(f"{label['q']}: expected every size >= 1, received shape {tuple(natives['q'].shape)}")
     if min(heads_kv, seq_k) < 1:
-        raise ValueError(f"k: expected every size >= 1, received shape {tuple(natives['k'].shape)}")
+        raise ValueError(f"{label['k']}: expected every size >= 1, received shape {tuple(natives['k'].shape)}")
     if heads_q % heads_kv:
         raise ValueError(
-            f"k: expected a number of kv heads that divides the {heads_q} query heads, "
+            f"{label['k']}: expected a number of kv heads that divides the {heads_q} query heads, "
             f"received {heads_kv}"
         )
-    _check_shape("k", bhsd["k"], (batch, heads_kv, seq_k, head_dim), layout, "batch and head_dim of q")
+    _check_shape(label["k"], bhsd["k"], (batch, heads_kv, seq_k, head_dim), layout, "batch and head_dim of q")
     if head_dim_v < 1:
-        raise ValueError(f"v: expected every size >= 1, received shape {tuple(natives['v'].shape)}")
-    _check_shape("v", bhsd["v"], (batch, heads_kv, seq_k, head_dim_v), layout, "B, Hkv and Sk of k")
+        raise ValueError(f"{label['v']}: expected every size >= 1, received shape {tuple(natives['v'].shape)}")
+    _check_shape(label["v"], bhsd["v"], (batch, heads_kv, seq_k, head_dim_v), layout, "B, Hkv and Sk of k")
 
     if direction == "backward":
         out_shape = (batch, heads_q, seq_q, head_dim_v)
@@ -253,7 +261,7 @@ def prepare(
         bhsd["lse"] = lse
 
     full_shape = (batch, heads_q, seq_q, seq_k)
-    mask_native, mask_kind = _mask(mask, origin, full_shape)
+    mask_native, mask_kind = _mask(label["mask"], mask, origin, full_shape)
     lengths = _key_lengths(key_lengths, origin, batch, seq_k)
     for name, native in bhsd.items():
         if name != "lse":
@@ -273,7 +281,7 @@ def prepare(
         layout=layout,
         scale=_scale(scale, head_dim),
         causal=causal_mode(causal),
-        window=_window(window),
+        window=_window(window, seq_q, seq_k),
         softcap=_softcap(softcap),
         mask=mask_kind,  # type: ignore[arg-type]
         mask_shape=None if mask_native is None else tuple(mask_native.shape),

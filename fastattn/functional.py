@@ -8,6 +8,7 @@ lse ``(B, Hq, Sq)``.  The semantics of every option are those of DESIGN.md §3.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Any
 
 from . import _arrays
@@ -104,6 +105,11 @@ def attention(
         softcap=softcap,
         layout=layout,
     )
+    return _forward(call, backend, return_lse=return_lse)
+
+
+def _forward(call: PreparedCall, backend: str | None, return_lse: bool = False) -> Any:
+    """Run a prepared forward call and hand the results back in the caller's framework."""
     chosen = registry.select(call.problem, backend)
     out, lse = chosen.forward(call.problem, call.arrays["q"], call.arrays["k"], call.arrays["v"], call.extras)
     result = _arrays.from_native(_arrays.swap_layout(out, call.problem.layout), call.origin)
@@ -249,7 +255,7 @@ def scaled_dot_product_attention(
         In query's dtype, framework and device.  Unlike PyTorch, a row that sees no key gives
         zeros, not NaN.
     """
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
         raise TypeError(f"dropout_p: expected a float in [0, 1], received {dropout_p!r}")
     if not 0.0 <= dropout_p <= 1.0:
         raise ValueError(f"dropout_p: expected a float in [0, 1], received {dropout_p!r}")
@@ -269,7 +275,12 @@ def scaled_dot_product_attention(
     arrays = {"query": query, "key": key, "value": value}
     ndims = {}
     for name, array in arrays.items():
-        ndim = getattr(array, "ndim", None)
+        if not _arrays.is_array(array):
+            raise TypeError(
+                f"{name}: expected a numpy array, a CuPy array or a DLPack-capable tensor, "
+                f"received {_arrays.describe_value(array)}"
+            )
+        ndim = array.ndim
         if ndim not in (3, 4):
             raise ValueError(
                 f"{name}: expected a 4-D (N, H, L, E) or 3-D (N, L, E) array, received "
@@ -288,5 +299,13 @@ def scaled_dot_product_attention(
             f"key: expected {query.shape[1]} heads like query (pass enable_gqa=True for grouped-query "
             f"attention), received {key.shape[1]}"
         )
-    out = attention(query, key, value, causal=is_causal, scale=scale, mask=attn_mask)
+    call = prepare(
+        "forward",
+        {"q": query, "k": key, "v": value},
+        causal=is_causal,
+        scale=scale,
+        mask=attn_mask,
+        labels={"q": "query", "k": "key", "v": "value", "mask": "attn_mask"},
+    )
+    out = _forward(call, None)
     return out[:, 0] if unbatched_heads else out

@@ -117,6 +117,12 @@ def register(backend: Backend, *, replace: bool = False) -> None:
             "backend: expected an object with name, devices, priority, not_supported_reasons, "
             f"forward and backward, received {type(backend).__name__}"
         )
+    if not isinstance(backend.name, str) or not backend.name:
+        raise TypeError(f"backend: expected a non-empty str name, received {backend.name!r}")
+    if isinstance(backend.priority, bool) or not isinstance(backend.priority, int):
+        raise TypeError(f"backend: expected an int priority, received {backend.priority!r}")
+    if not isinstance(backend.devices, tuple) or not all(isinstance(d, str) for d in backend.devices):
+        raise TypeError(f"backend: expected devices as a tuple of str, received {backend.devices!r}")
     if backend.name in _registry.backends and not replace:
         raise ValueError(f"backend: a backend named {backend.name!r} is already registered")
     _registry.unavailable.pop(backend.name, None)

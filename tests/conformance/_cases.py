@@ -68,14 +68,14 @@ class Case:
         }
 
     def oracle_options(self, inputs: dict[str, Any]) -> Options:
-        mask = inputs["mask"]
+        mask = None if inputs["mask"] is None else to_host(inputs["mask"])
         if mask is not None and mask.dtype != np.bool_:
             mask = mask.astype(np.float64)
         return Options(
             causal=self.causal,
             scale=self.scale,
             mask=mask,
-            key_lengths=inputs["key_lengths"],
+            key_lengths=None if inputs["key_lengths"] is None else to_host(inputs["key_lengths"]),
             window=self.window,
             softcap=self.softcap,
         )
@@ -136,52 +136,70 @@ def cases(draw: Any, dtypes: tuple[str, ...] = ("float64", "float32")) -> Case:
     )
 
 
-def _array(rng: np.random.Generator, shape_bhsd: tuple[int, ...], case: Case) -> np.ndarray:
+def array_module(device: str) -> Any:
+    """numpy for "cpu", cupy for "cuda"."""
+    if device == "cuda":
+        import cupy
+
+        return cupy
+    return np
+
+
+def to_host(array: Any) -> np.ndarray:
+    """A numpy copy of a numpy, CuPy or torch (CPU) array."""
+    if hasattr(array, "get") and not isinstance(array, np.ndarray):
+        return array.get()
+    return np.array(array, copy=True)
+
+
+def _array(rng: np.random.Generator, shape_bhsd: tuple[int, ...], case: Case, device: str) -> Any:
     """Random values in the case's dtype and layout, as the case's kind of (non-)contiguous view."""
+    xp = array_module(device)
     batch, heads, seq, dim = shape_bhsd
     ordered = (batch, seq, heads, dim) if case.layout == "bshd" else shape_bhsd
     dtype = DTYPES[case.dtype]
     if case.strided == "strided":
         # Every other row along axis 2 of a buffer with a padded last axis: gaps everywhere.
         padded = ordered[:2] + (2 * ordered[2], ordered[3] + 3)
-        base = rng.standard_normal(padded).astype(dtype)
+        base = xp.asarray(rng.standard_normal(padded).astype(dtype))
         return base[:, :, ::2, : ordered[3]]
-    values = rng.standard_normal(ordered).astype(dtype)
+    values = xp.asarray(rng.standard_normal(ordered).astype(dtype))
     if case.strided == "copy":
-        return np.asfortranarray(values)  # last axis not contiguous: the API must copy it once
+        return xp.asfortranarray(values)  # last axis not contiguous: the API must copy it once
     return values
 
 
-def make_inputs(case: Case) -> dict[str, Any]:
+def make_inputs(case: Case, device: str = "cpu") -> dict[str, Any]:
     """Return q, k, v (and the optional mask and key_lengths) for a case, from its seed."""
     rng = np.random.default_rng(case.seed)
+    xp = array_module(device)
     inputs: dict[str, Any] = {
-        "q": _array(rng, (case.batch, case.heads_q, case.seq_q, case.head_dim), case),
-        "k": _array(rng, (case.batch, case.heads_kv, case.seq_k, case.head_dim), case),
-        "v": _array(rng, (case.batch, case.heads_kv, case.seq_k, case.head_dim_v), case),
+        "q": _array(rng, (case.batch, case.heads_q, case.seq_q, case.head_dim), case, device),
+        "k": _array(rng, (case.batch, case.heads_kv, case.seq_k, case.head_dim), case, device),
+        "v": _array(rng, (case.batch, case.heads_kv, case.seq_k, case.head_dim_v), case, device),
         "mask": None,
         "key_lengths": None,
     }
     if case.mask_kind == "bool":
-        inputs["mask"] = rng.random(case.mask_shape) < 0.8
+        inputs["mask"] = xp.asarray(rng.random(case.mask_shape) < 0.8)
     elif case.mask_kind == "float":
         values = rng.standard_normal(case.mask_shape).astype(np.float32)
         values[rng.random(case.mask_shape) < 0.15] = -np.inf
-        inputs["mask"] = values
+        inputs["mask"] = xp.asarray(values)
     if case.key_lengths is not None:
-        inputs["key_lengths"] = np.array(case.key_lengths, dtype=np.int32)
+        inputs["key_lengths"] = xp.asarray(np.array(case.key_lengths, dtype=np.int32))
     return inputs
 
 
-def dout_like(case: Case, rng_seed_offset: int = 1) -> np.ndarray:
-    """A random output gradient ``(B, Hq, Sq, Dv)`` in the case's layout and dtype."""
-    rng = np.random.default_rng(case.seed + rng_seed_offset)
-    return _array(rng, (case.batch, case.heads_q, case.seq_q, case.head_dim_v), case)
+def dout_like(case: Case, device: str = "cpu") -> Any:
+    """A random output gradient ``(B, Hq, Sq, Dv)`` in the case's layout, dtype and device."""
+    rng = np.random.default_rng(case.seed + 1)
+    return _array(rng, (case.batch, case.heads_q, case.seq_q, case.head_dim_v), case, device)
 
 
 def bhsd_float64(array: Any, layout: str) -> np.ndarray:
-    """A caller-layout array as float64 in (B, H, S, D) order."""
-    values = np.asarray(array).astype(np.float64)
+    """A caller-layout array (any device) as a float64 host array in (B, H, S, D) order."""
+    values = to_host(array).astype(np.float64)
     return values.swapaxes(1, 2) if layout == "bshd" else values
 
 

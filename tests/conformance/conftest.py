@@ -21,8 +21,30 @@ def _backends() -> list[str]:
     return [name for name, status in fastattn.backends.available().items() if status.available]
 
 
+def _devices() -> list[str]:
+    """"cpu", plus "cuda" where CuPy sees a device (the GPU runs of the suite)."""
+    try:
+        import cupy
+
+        return ["cpu", "cuda"] if cupy.cuda.runtime.getDeviceCount() > 0 else ["cpu"]
+    except Exception:  # CuPy missing, or no driver: host only
+        return ["cpu"]
+
+
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    if "backend" in metafunc.fixturenames:
+    """Tests taking ``backend`` and ``device`` run per (backend, device it serves); ``backend``
+    alone means host arrays."""
+    if "backend" not in metafunc.fixturenames:
+        return
+    if "device" in metafunc.fixturenames:
+        pairs = [
+            (name, device)
+            for name in _backends()
+            for device in _devices()
+            if device in fastattn.backends.get(name).devices
+        ]
+        metafunc.parametrize("backend,device", pairs, ids=[f"{name}-{device}" for name, device in pairs])
+    else:
         metafunc.parametrize("backend", _backends())
 
 

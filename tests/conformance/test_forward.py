@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 import fastattn
 
 from . import _oracle
-from ._cases import FORWARD_TOLERANCE, Case, bhsd_float64, cases, make_inputs, relative_error
+from ._cases import FORWARD_TOLERANCE, Case, bhsd_float64, cases, make_inputs, relative_error, to_host
 
 ALL_DTYPES = ("float64", "float32", "float16", "bfloat16")
 
@@ -31,12 +31,12 @@ def run_or_decline(backend: str, case: Case, inputs: dict) -> tuple | None:
     )
 
 
-def check_forward(backend: str, case: Case) -> None:
-    inputs = make_inputs(case)
-    before = {name: np.array(value, copy=True) for name, value in inputs.items() if value is not None}
+def check_forward(backend: str, device: str, case: Case) -> None:
+    inputs = make_inputs(case, device)
+    before = {name: to_host(value) for name, value in inputs.items() if value is not None}
     result = run_or_decline(backend, case, inputs)
     for name, value in before.items():
-        assert np.array_equal(inputs[name], value, equal_nan=True), f"{name} was written to"
+        assert np.array_equal(to_host(inputs[name]), value, equal_nan=True), f"{name} was written to"
     if result is None:
         return
     out, lse = result
@@ -49,7 +49,7 @@ def check_forward(backend: str, case: Case) -> None:
     q, k, v = (bhsd_float64(inputs[name], case.layout) for name in "qkv")
     expected_out, expected_lse = _oracle.forward(q, k, v, case.oracle_options(inputs))
     got_out = bhsd_float64(out, case.layout)
-    got_lse = np.asarray(lse, dtype=np.float64)
+    got_lse = to_host(lse).astype(np.float64)
 
     assert not np.isnan(got_out).any(), "NaN in out (an unwritten element or a 0/0)"
     empty_rows = np.isneginf(expected_lse)
@@ -62,23 +62,24 @@ def check_forward(backend: str, case: Case) -> None:
 
 @settings(max_examples=500)
 @given(case=cases())
-def test_forward_matches_oracle(backend: str, case: Case) -> None:
-    check_forward(backend, case)
+def test_forward_matches_oracle(backend: str, device: str, case: Case) -> None:
+    check_forward(backend, device, case)
 
 
 @settings(max_examples=60)
 @given(case=cases(dtypes=("float16", "bfloat16")))
-def test_forward_half_precision_matches_oracle(backend: str, case: Case) -> None:
-    check_forward(backend, case)
+def test_forward_half_precision_matches_oracle(backend: str, device: str, case: Case) -> None:
+    check_forward(backend, device, case)
 
 
 @settings(max_examples=40)
 @given(case=cases(), seq_k=st.integers(1, 40))
-def test_decode_single_query(backend: str, case: Case, seq_k: int) -> None:
+def test_decode_single_query(backend: str, device: str, case: Case, seq_k: int) -> None:
     """Sq = 1 against a long cache, bottom-right: the KV-cache step."""
     lengths = None if case.key_lengths is None else tuple(min(n, seq_k) for n in case.key_lengths)
     check_forward(
         backend,
+        device,
         dataclasses.replace(
             case, seq_q=1, seq_k=seq_k, causal="bottom_right", mask_kind=None, mask_shape=None, key_lengths=lengths
         ),
