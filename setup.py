@@ -62,8 +62,19 @@ def _openmp_flags() -> list[str]:
     return ["-fopenmp"]
 
 
+def _native_flags() -> list[str]:
+    """``-march=native`` (the kernels use the build machine's vector unit) unless disabled."""
+    if os.environ.get("FASTATTN_NATIVE", "1") == "0" or sys.platform == "win32":
+        print("fastattn: portable build (FASTATTN_NATIVE=0): generic vector code")
+        return []
+    print("fastattn: building the kernels for this machine's CPU (-march=native; FASTATTN_NATIVE=0 to disable)")
+    return ["-march=native"]
+
+
 _omp = _openmp_flags()
 _compile_args = ["-O3"] if sys.platform != "win32" else ["/O2"]
+_kernel_args = _compile_args + _native_flags() + ["-std=gnu++17"]
+_link_args = _omp if sys.platform != "win32" else []
 
 extensions = [
     Extension(
@@ -71,7 +82,16 @@ extensions = [
         ["fastattn/_cpu/_runtime.pyx"],
         include_dirs=["fastattn/_cpu"],
         extra_compile_args=_compile_args + _omp,
-        extra_link_args=_omp if sys.platform != "win32" else [],
+        extra_link_args=_link_args,
+    ),
+    Extension(
+        "fastattn._cpu._forward",
+        ["fastattn/_cpu/_forward.pyx"],
+        include_dirs=["fastattn/_cpu"],
+        language="c++",
+        depends=["fastattn/_cpu/flash_forward.h", "fastattn/_cpu/simd.h", "fastattn/_cpu/_omp_shim.h"],
+        extra_compile_args=_kernel_args + _omp,
+        extra_link_args=_link_args,
     ),
 ]
 

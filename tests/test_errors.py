@@ -378,23 +378,52 @@ def test_backward_lse_dtype_follows_accumulation_dtype(dtype: Any, wrong_lse_dty
 # explicitly requested backends that cannot run the call
 
 
+_DECLINE_REASON = "toy_declines takes no problem at all"
+
+
+class _DecliningBackend:
+    """A registered backend that declines every problem, forward and backward."""
+
+    name = "toy_declines"
+    devices = ("cpu",)
+    priority = -1
+
+    def not_supported_reasons(self, problem: Any) -> list[str]:
+        return [_DECLINE_REASON]
+
+    def forward(self, *args: Any) -> Any:
+        raise AssertionError("a declining backend must never be run")
+
+    backward = forward
+
+
+@pytest.fixture
+def declining_backend() -> Any:
+    fastattn.backends.register(_DecliningBackend())
+    yield "toy_declines"
+    fastattn.backends.unregister("toy_declines")
+
+
 @pytest.mark.parametrize("api", ["attention", "attention_backward"])
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_explicit_cpu_backend_declines_with_reasons(api: str, layout: str) -> None:
-    """The cpu backend declines every problem today; asking for it must not fall back silently."""
-    if fastattn.backends.available()["cpu"].available is False:
-        pytest.skip("the cpu backend is unavailable on this machine")
-    explanation = fastattn.explain(*_qkv(layout), layout=layout)
-    if not explanation.reasons["cpu"]:
-        pytest.skip("the cpu backend accepts this problem now")
+def test_explicit_backend_that_declines_raises_with_reasons(api: str, layout: str, declining_backend: str) -> None:
+    """Asking for a backend that declines the call must not fall back silently."""
     a = _valid_call(layout)
-    a["kw"]["backend"] = "cpu"
+    a["kw"]["backend"] = declining_backend
     error = expect_error(fastattn.UnsupportedError, None, _run, api, a)
-    assert isinstance(error.reasons, list) and error.reasons
-    assert all(isinstance(reason, str) and reason for reason in error.reasons)
-    assert "cpu" in str(error)
-    for reason in error.reasons:
-        assert reason in str(error)
+    assert error.reasons == [_DECLINE_REASON]
+    assert declining_backend in str(error) and _DECLINE_REASON in str(error)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_explicit_cpu_backward_declines_until_its_kernel_lands(layout: str) -> None:
+    """The cpu backend runs the forward; its backward (issue #5) is declined with a reason."""
+    a = _valid_call(layout)
+    if fastattn.explain(a["q"], a["k"], a["v"], layout=layout).backward_reasons["cpu"] == []:
+        pytest.skip("the cpu backend runs the backward now")
+    a["kw"]["backend"] = "cpu"
+    error = expect_error(fastattn.UnsupportedError, None, _run, "attention_backward", a)
+    assert error.reasons and all(reason in str(error) for reason in error.reasons)
 
 
 def _qkv(layout: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -413,11 +442,10 @@ def test_explicit_unavailable_backend_raises_unsupported(api: str) -> None:
     assert error.reasons == [status.detail]
 
 
-def test_explain_with_declining_explicit_backend_reports_instead_of_raising() -> None:
+def test_explain_with_declining_explicit_backend_reports_instead_of_raising(declining_backend: str) -> None:
     a = _valid_call()
-    explanation = fastattn.explain(a["q"], a["k"], a["v"], backend="cpu")
-    if not explanation.reasons["cpu"]:
-        pytest.skip("the cpu backend accepts this problem now")
+    explanation = fastattn.explain(a["q"], a["k"], a["v"], backend=declining_backend)
+    assert explanation.reasons[declining_backend] == [_DECLINE_REASON]
     assert explanation.chosen is None
     assert "backend=" in explanation.source
 

@@ -1,21 +1,30 @@
 """The ``cpu`` backend: Cython + OpenMP flash attention on numpy arrays.
 
-At this stage the compiled extension (``fastattn._cpu._runtime``) holds only what the registry
-reports: whether it was built with OpenMP and how many threads it would use.  The flash forward,
-decode and backward kernels arrive with the CPU issues (#4 forward and decode, #5 backward); until
-then this backend is available but declines every problem with that reason, so automatic selection
-runs the reference and ``explain`` says why.
+The forward (and the decode path, Sq <= 16 with split keys) runs in ``fastattn._cpu._forward``;
+see ``fastattn/_cpu/flash_forward.h`` for the algorithm and tile sizes.  The fused CPU backward is
+issue #5: until it lands this backend declines the backward with that reason, so automatic
+selection runs the backward on the reference and ``explain`` says so.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
-from .._cpu import _runtime
+import numpy as np
+
+from .. import _arrays
+from .._cpu import _forward, _runtime
 from .._problem import AttentionExtras, AttentionProblem
 from .registry import UnsupportedError
 
-_NOT_YET = "the CPU flash kernels are not built yet (issue #4 forward, #5 backward)"
+_BACKWARD_NOT_YET = "the fused CPU backward is not built yet (issue #5); the reference runs it"
+
+#: Query rows (all heads of a GQA group together) per work item; keys per tile.
+TILE_ROWS = 64
+KEY_TILE = 64
+#: At most this many query positions take the decode path (one tile, keys split across threads).
+DECODE_MAX_QUERIES = 16
 
 
 def build_summary() -> str:
@@ -25,6 +34,22 @@ def build_summary() -> str:
     if _runtime.openmp_enabled():
         return f"OpenMP {_runtime.openmp_version()}, {threads} {plural}"
     return f"serial build (no OpenMP), {threads} {plural}"
+
+
+def plan(problem: AttentionProblem, threads: int) -> tuple[int, int]:
+    """Return ``(block_queries, splits)``: query positions per work item and key splits.
+
+    A GQA group's rows are stacked, so a block holds ``TILE_ROWS // group`` positions.  Decode
+    (``Sq <= DECODE_MAX_QUERIES``) keeps all query rows in one tile and, when there are fewer
+    (batch, kv head) items than twice the threads, splits the keys so every thread has work.
+    """
+    if problem.seq_q <= DECODE_MAX_QUERIES:
+        items = problem.batch * problem.heads_kv
+        if items >= 2 * threads:
+            return problem.seq_q, 1
+        tiles = math.ceil(problem.seq_k / KEY_TILE)
+        return problem.seq_q, max(1, min(tiles, math.ceil(2 * threads / items)))
+    return max(1, TILE_ROWS // problem.group_size), 1
 
 
 class CpuBackend:
@@ -40,14 +65,38 @@ class CpuBackend:
         return f"Cython kernels, {build_summary()}"
 
     def not_supported_reasons(self, problem: AttentionProblem) -> list[str]:
-        """Every problem is declined until the kernels land."""
-        return [_NOT_YET]
+        """Every forward problem on the host runs; the backward waits for issue #5."""
+        return [_BACKWARD_NOT_YET] if problem.direction == "backward" else []
 
     def forward(
         self, problem: AttentionProblem, q: Any, k: Any, v: Any, extras: AttentionExtras
     ) -> tuple[Any, Any]:
-        """Not implemented yet: raises :class:`UnsupportedError`."""
-        raise UnsupportedError("backend 'cpu' cannot run this call", [_NOT_YET])
+        """Return ``(out, lse)`` computed by the flash kernel."""
+        out = _arrays.empty_bhsd(
+            np, (problem.batch, problem.heads_q, problem.seq_q, problem.head_dim_v), q.dtype, problem.layout
+        )
+        lse = np.empty((problem.batch, problem.heads_q, problem.seq_q), _arrays.accumulation_dtype(problem.dtype))
+        block_queries, splits = plan(problem, _runtime.max_threads())
+        left, right = problem.window if problem.window is not None else (-1, -1)
+        _forward.forward(
+            q,
+            k,
+            v,
+            out,
+            lse,
+            scale=problem.scale,
+            softcap=problem.softcap or 0.0,
+            causal=problem.causal is not None,
+            offset=problem.key_offset,
+            window_left=left,
+            window_right=right,
+            mask=extras.mask,
+            key_lengths=extras.key_lengths,
+            block_queries=block_queries,
+            key_tile=KEY_TILE,
+            splits=splits,
+        )
+        return out, lse
 
     def backward(
         self,
@@ -60,5 +109,5 @@ class CpuBackend:
         lse: Any,
         extras: AttentionExtras,
     ) -> tuple[Any, Any, Any]:
-        """Not implemented yet: raises :class:`UnsupportedError`."""
-        raise UnsupportedError("backend 'cpu' cannot run this call", [_NOT_YET])
+        """Not built yet: raises :class:`UnsupportedError` (selection never routes here)."""
+        raise UnsupportedError("backend 'cpu' cannot run the backward", [_BACKWARD_NOT_YET])

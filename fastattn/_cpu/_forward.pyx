@@ -1,0 +1,160 @@
+# cython: language_level=3
+# distutils: language = c++
+"""Cython entry point of the CPU flash forward: fills the kernel's parameters, runs the work items
+in an OpenMP ``prange`` with the GIL released and one scratch buffer per thread, then (decode with
+split keys) merges the partial results.  The arithmetic lives in ``flash_forward.h``.
+"""
+
+from libc.stdint cimport int64_t
+from cython.parallel cimport prange
+
+import numpy as np
+
+cdef extern from "_omp_shim.h" nogil:
+    int omp_get_max_threads()
+    int omp_get_thread_num()
+
+cdef extern from "flash_forward.h" namespace "fastattn" nogil:
+    cdef struct FwdParams:
+        const char* q
+        const char* k
+        const char* v
+        char* out
+        char* lse
+        int64_t q_stride[3]
+        int64_t k_stride[3]
+        int64_t v_stride[3]
+        int64_t out_stride[3]
+        int64_t lse_stride[3]
+        int64_t batch, heads_q, heads_kv, seq_q, seq_k, head_dim, head_dim_v, group
+        int dtype
+        double scale
+        double softcap
+        int causal
+        int64_t offset
+        int64_t window_left, window_right
+        const char* mask
+        int mask_kind
+        int64_t mask_stride[4]
+        const int64_t* key_lengths
+        int64_t block_queries
+        int64_t query_blocks
+        int64_t key_tile
+        int64_t splits
+        char* partial_out
+        char* partial_lse
+
+cdef extern from "flash_forward.h" nogil:
+    size_t fa_forward_scratch_bytes(const FwdParams* p)
+    size_t fa_forward_partial_elements(const FwdParams* p)
+    int64_t fa_forward_items(const FwdParams* p)
+    void fa_forward_item(const FwdParams* p, char* scratch, int64_t item)
+    void fa_forward_combine(const FwdParams* p, int64_t index)
+
+_DTYPE_CODES = {"float32": 0, "float64": 1, "float16": 2, "bfloat16": 3}
+_MASK_CODES = {"bool": 1, "float32": 2, "float64": 3, "float16": 4, "bfloat16": 5}
+
+
+cdef inline size_t _address(array):
+    return <size_t> array.__array_interface__["data"][0]
+
+
+cdef void _strides(int64_t* dst, array, int count):
+    cdef int axis
+    for axis in range(count):
+        dst[axis] = array.strides[axis] // array.itemsize
+
+
+def forward(q, k, v, out, lse, *, double scale, double softcap, bint causal, int64_t offset,
+            int64_t window_left, int64_t window_right, mask, key_lengths,
+            int64_t block_queries, int64_t key_tile, int64_t splits):
+    """Run the flash forward on (B, H, S, D)-ordered numpy arrays, writing ``out`` and ``lse``.
+
+    Parameters
+    ----------
+    q, k, v : numpy.ndarray
+        (B, Hq, Sq, D), (B, Hkv, Sk, D), (B, Hkv, Sk, Dv); one dtype among float32, float64,
+        float16, bfloat16; any strides with a contiguous last axis.
+    out : numpy.ndarray
+        (B, Hq, Sq, Dv) of q's dtype, written.
+    lse : numpy.ndarray
+        C-contiguous (B, Hq, Sq) float32 (float64 for float64 inputs), written.
+    scale, softcap : float
+        Score multiplier; softcap 0 means none.
+    causal : bool
+        Hide keys right of the query's position ``i + offset``.
+    offset : int
+        Key position of query 0 (``Sk - Sq`` for bottom-right alignment, else 0).
+    window_left, window_right : int
+        Sliding window sides, -1 for unbounded.
+    mask : numpy.ndarray or None
+        Four-axis (B|1, Hq|1, Sq|1, Sk|1) bool or float array, read by strides.
+    key_lengths : numpy.ndarray or None
+        C-contiguous int64 (B,).
+    block_queries, key_tile, splits : int
+        Query positions per work item, keys per tile, key splits per item (decode).
+    """
+    cdef FwdParams p
+    cdef int64_t items, index, combines
+    cdef int threads, axis
+    cdef char* scratch
+    cdef size_t scratch_bytes
+    p.q = <const char*> _address(q)
+    p.k = <const char*> _address(k)
+    p.v = <const char*> _address(v)
+    p.out = <char*> _address(out)
+    p.lse = <char*> _address(lse)
+    _strides(p.q_stride, q, 3)
+    _strides(p.k_stride, k, 3)
+    _strides(p.v_stride, v, 3)
+    _strides(p.out_stride, out, 3)
+    _strides(p.lse_stride, lse, 3)
+    p.batch, p.heads_q, p.seq_q, p.head_dim = q.shape
+    p.heads_kv, p.seq_k = k.shape[1], k.shape[2]
+    p.head_dim_v = v.shape[3]
+    p.group = p.heads_q // p.heads_kv
+    p.dtype = _DTYPE_CODES[q.dtype.name]
+    p.scale = scale
+    p.softcap = softcap
+    p.causal = causal
+    p.offset = offset
+    p.window_left = window_left
+    p.window_right = window_right
+    p.mask = NULL
+    p.mask_kind = 0
+    if mask is not None:
+        p.mask = <const char*> _address(mask)
+        p.mask_kind = _MASK_CODES[mask.dtype.name]
+        _strides(p.mask_stride, mask, 4)
+        for axis in range(4):
+            if mask.shape[axis] == 1:
+                p.mask_stride[axis] = 0
+    p.key_lengths = NULL
+    if key_lengths is not None:
+        p.key_lengths = <const int64_t*> _address(key_lengths)
+    p.block_queries = block_queries
+    p.query_blocks = (p.seq_q + block_queries - 1) // block_queries
+    p.key_tile = key_tile
+    p.splits = splits
+    partial_out = partial_lse = None
+    p.partial_out = p.partial_lse = NULL
+    if splits > 1:
+        compute = np.float64 if p.dtype == 1 else np.float32
+        partial_lse = np.empty(fa_forward_partial_elements(&p), dtype=compute)
+        partial_out = np.empty(fa_forward_partial_elements(&p) * p.head_dim_v, dtype=compute)
+        p.partial_out = <char*> _address(partial_out)
+        p.partial_lse = <char*> _address(partial_lse)
+
+    items = fa_forward_items(&p)
+    threads = max(1, min(omp_get_max_threads(), items))
+    # One scratch slab per thread, 64-byte apart, allocated here so that a failure is a MemoryError.
+    scratch_bytes = (fa_forward_scratch_bytes(&p) + 63) // 64 * 64
+    slab = np.empty(threads * scratch_bytes + 64, dtype=np.uint8)
+    scratch = <char*> ((_address(slab) + 63) // 64 * 64)
+    with nogil:
+        for index in prange(items, schedule="dynamic", num_threads=threads):
+            fa_forward_item(&p, scratch + omp_get_thread_num() * scratch_bytes, index)
+        if splits > 1:
+            combines = p.batch * p.heads_kv * p.query_blocks
+            for index in prange(combines, schedule="static", num_threads=threads):
+                fa_forward_combine(&p, index)

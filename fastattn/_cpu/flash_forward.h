@@ -1,0 +1,475 @@
+/* Flash attention forward on the CPU: tiled online softmax, never an Sq x Sk buffer.
+ *
+ * Work item = (batch b, kv head, block of query positions, key split).  The query rows of the
+ * whole GQA group that reads this kv head are stacked into one tile of M = group x block_queries
+ * rows, so each K/V tile is loaded once per group, not once per query head.
+ *
+ * Layout trick: query rows are the SIMD lanes.  Q is packed once per item, pre-multiplied by
+ * scale, as Qp[M/RB][D][RB] (RB = NV vectors of rows).  Scores are kept transposed, S[key][row],
+ * and so is the output accumulator, O[Dv][row].  Then
+ *   S[j][rows] = sum_d K[j][d] * Qp[d][rows]     (micro-kernel: MR keys x RB rows in registers,
+ *                                                  K[j][d] broadcast, Qp row loaded)
+ *   O[c][rows] += sum_j V[j][c] * P[j][rows]     (micro-kernel: MR columns x RB rows, V[j][c]
+ *                                                  broadcast, P row loaded)
+ * and every per-row quantity of the online softmax (running max m, running sum l, rescale factor
+ * alpha, causal/window positions) is a plain vector over rows: no horizontal reductions anywhere.
+ * K and V are read in place from the caller's memory (any strides, contiguous last axis) when the
+ * input is the compute type; float16/bfloat16 tiles are converted into scratch first.
+ *
+ * Tile sizes: RB = 2 vectors of rows (32 floats with AVX-512, 16 with AVX2), 1 vector when the
+ * tile has that few rows (decode); MR = 8 (AVX-512, 32 registers: 16 accumulators) or 6 (AVX2,
+ * 16 registers: 12 accumulators) so the FMA pipes stay busy; key tiles of `key_tile` keys (64 by
+ * default) keep S (key_tile x M) and the K/V tile in L1/L2.
+ *
+ * Skipped work: the key range of an item is cut to what any of its rows can see (causal, window,
+ * key_lengths), so fully masked tiles cost nothing; per-element masking runs only on tiles that
+ * straddle a causal or window edge, or when a mask array is given.
+ *
+ * Decode (few query rows, few items): the keys are split across threads (`splits`), each split
+ * writes its normalised partial output and lse, and `fa_forward_combine` merges them by lse.
+ *
+ * Scratch per thread: O((M + key_tile) * (D + Dv) + key_tile * M) elements, independent of Sq, Sk.
+ */
+#ifndef FASTATTN_FLASH_FORWARD_H
+#define FASTATTN_FLASH_FORWARD_H
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+
+#include "simd.h"
+
+namespace fastattn {
+
+enum DtypeCode { DTYPE_FLOAT32 = 0, DTYPE_FLOAT64 = 1, DTYPE_FLOAT16 = 2, DTYPE_BFLOAT16 = 3 };
+enum MaskKind { MASK_NONE = 0, MASK_BOOL = 1, MASK_FLOAT32 = 2, MASK_FLOAT64 = 3, MASK_FLOAT16 = 4, MASK_BFLOAT16 = 5 };
+
+struct FwdParams {
+    const char* q;
+    const char* k;
+    const char* v;
+    char* out;
+    char* lse;
+    int64_t q_stride[3], k_stride[3], v_stride[3], out_stride[3], lse_stride[3]; /* b, h, s; in elements */
+    int64_t batch, heads_q, heads_kv, seq_q, seq_k, head_dim, head_dim_v, group;
+    int dtype;
+    double scale;
+    double softcap; /* 0: none */
+    int causal;
+    int64_t offset; /* query i sits at key position i + offset (Sk - Sq for bottom-right) */
+    int64_t window_left, window_right; /* -1: unbounded */
+    const char* mask;
+    int mask_kind;
+    int64_t mask_stride[4]; /* b, h, i, j; 0 on broadcast axes */
+    const int64_t* key_lengths; /* NULL: all Sk keys */
+    int64_t block_queries;      /* query positions per item */
+    int64_t query_blocks;       /* ceil(Sq / block_queries) */
+    int64_t key_tile;
+    int64_t splits;       /* key splits per (b, kv head, query block); > 1 only for decode */
+    char* partial_out;    /* splits > 1: [items][splits][rows][Dv] in the compute type */
+    char* partial_lse;    /* splits > 1: [items][splits][rows] */
+};
+
+#if FASTATTN_VECTOR_BYTES == 64
+constexpr int kMainMR = 8;
+#else
+constexpr int kMainMR = 6;
+#endif
+
+template <typename T> constexpr int lanes() { return Vec<T>::lanes; }
+
+static inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+/* Rows of the tile (M) and their padded count (Mp, a multiple of the row block RB). */
+template <typename T> struct RowShape {
+    int64_t rows, padded, nv;
+    RowShape(int64_t rows_) : rows(rows_) {
+        nv = rows <= lanes<T>() ? 1 : 2;
+        padded = round_up(rows, nv * lanes<T>());
+    }
+};
+
+template <typename T> static size_t scratch_elements(const FwdParams& p) {
+    RowShape<T> shape(p.group * p.block_queries);
+    int64_t mp = shape.padded, n = p.key_tile;
+    return (size_t)(mp * p.head_dim + n * mp + p.head_dim_v * mp + 3 * mp + n * (p.head_dim + p.head_dim_v) +
+                    4 * lanes<T>());
+}
+
+/* ---- micro-kernels ------------------------------------------------------------------------- */
+
+/* S[m][rows] = sum_d K[m][d] * Qp[d][rows] for MR keys and NV vectors of rows. */
+template <typename T, int MR, int NV>
+static inline void qk_kernel(const T* k, int64_t k_stride, const T* qp, int64_t depth, T* s, int64_t mp) {
+    typedef typename Vec<T>::type V;
+    constexpr int L = Vec<T>::lanes;
+    V acc[MR][NV];
+    for (int m = 0; m < MR; ++m)
+        for (int v = 0; v < NV; ++v) acc[m][v] = V{};
+    for (int64_t d = 0; d < depth; ++d) {
+        V qv[NV];
+        for (int v = 0; v < NV; ++v) qv[v] = vload<V>(qp + d * NV * L + v * L);
+        for (int m = 0; m < MR; ++m) {
+            V kb = vbroadcast<T>(k[m * k_stride + d]);
+            for (int v = 0; v < NV; ++v) acc[m][v] += kb * qv[v];
+        }
+    }
+    for (int m = 0; m < MR; ++m)
+        for (int v = 0; v < NV; ++v) vstore(s + m * mp + v * L, acc[m][v]);
+}
+
+/* O[m][rows] += sum_j V[j][m] * P[j][rows] for MR output columns and NV vectors of rows. */
+template <typename T, int MR, int NV>
+static inline void pv_kernel(const T* vt, int64_t v_stride, const T* p, int64_t mp, int64_t keys, T* o) {
+    typedef typename Vec<T>::type V;
+    constexpr int L = Vec<T>::lanes;
+    V acc[MR][NV];
+    for (int m = 0; m < MR; ++m)
+        for (int v = 0; v < NV; ++v) acc[m][v] = vload<V>(o + m * mp + v * L);
+    for (int64_t j = 0; j < keys; ++j) {
+        V pv[NV];
+        for (int v = 0; v < NV; ++v) pv[v] = vload<V>(p + j * mp + v * L);
+        const T* row = vt + j * v_stride;
+        for (int m = 0; m < MR; ++m) {
+            V vb = vbroadcast<T>(row[m]);
+            for (int v = 0; v < NV; ++v) acc[m][v] += vb * pv[v];
+        }
+    }
+    for (int m = 0; m < MR; ++m)
+        for (int v = 0; v < NV; ++v) vstore(o + m * mp + v * L, acc[m][v]);
+}
+
+/* Run a micro-kernel over `count` keys/columns: full MR blocks, then one remainder block. */
+template <typename T, int NV, int MR = kMainMR> struct Blocked {
+    template <int R> static inline void qk(const T* k, int64_t ks, const T* qp, int64_t depth, T* s, int64_t mp) {
+        qk_kernel<T, R, NV>(k, ks, qp, depth, s, mp);
+    }
+    static void qk_all(int64_t count, const T* k, int64_t ks, const T* qp, int64_t depth, T* s, int64_t mp) {
+        int64_t j = 0;
+        for (; j + MR <= count; j += MR) qk<MR>(k + j * ks, ks, qp, depth, s + j * mp, mp);
+        switch (count - j) {
+#define FASTATTN_QK_CASE(R) \
+    case R:                 \
+        if constexpr (R < MR) qk<R>(k + j * ks, ks, qp, depth, s + j * mp, mp); \
+        break;
+            FASTATTN_QK_CASE(1) FASTATTN_QK_CASE(2) FASTATTN_QK_CASE(3) FASTATTN_QK_CASE(4)
+            FASTATTN_QK_CASE(5) FASTATTN_QK_CASE(6) FASTATTN_QK_CASE(7)
+#undef FASTATTN_QK_CASE
+            default: break;
+        }
+    }
+    static void pv_all(int64_t columns, const T* vt, int64_t vs, const T* p, int64_t mp, int64_t keys, T* o) {
+        int64_t c = 0;
+        for (; c + MR <= columns; c += MR) pv_kernel<T, MR, NV>(vt + c, vs, p, mp, keys, o + c * mp);
+        switch (columns - c) {
+#define FASTATTN_PV_CASE(R) \
+    case R:                 \
+        if constexpr (R < MR) pv_kernel<T, R, NV>(vt + c, vs, p, mp, keys, o + c * mp); \
+        break;
+            FASTATTN_PV_CASE(1) FASTATTN_PV_CASE(2) FASTATTN_PV_CASE(3) FASTATTN_PV_CASE(4)
+            FASTATTN_PV_CASE(5) FASTATTN_PV_CASE(6) FASTATTN_PV_CASE(7)
+#undef FASTATTN_PV_CASE
+            default: break;
+        }
+    }
+};
+
+/* ---- element access -------------------------------------------------------------------------- */
+
+template <typename In> static inline const In* at(const char* base, int64_t element) {
+    return reinterpret_cast<const In*>(base) + element;
+}
+
+template <typename T> static inline T mask_value(const FwdParams& p, int64_t element, bool* visible) {
+    const char* m = p.mask;
+    switch (p.mask_kind) {
+        case MASK_BOOL: *visible = reinterpret_cast<const uint8_t*>(m)[element] != 0; return T(0);
+        case MASK_FLOAT32: return (T)reinterpret_cast<const float*>(m)[element];
+        case MASK_FLOAT64: return (T)reinterpret_cast<const double*>(m)[element];
+        case MASK_FLOAT16: return (T)to_float(reinterpret_cast<const half_bits*>(m)[element]);
+        case MASK_BFLOAT16: return (T)to_float(reinterpret_cast<const bfloat16_bits*>(m)[element]);
+        default: return T(0);
+    }
+}
+
+/* ---- one work item ----------------------------------------------------------------------------- */
+
+template <typename T, typename In, int NV>
+static void forward_block(const FwdParams& p, T* scratch, int64_t b, int64_t kvh, int64_t q0, int64_t qn,
+                          int64_t k_begin, int64_t k_end, T* partial_out, T* partial_lse) {
+    typedef typename Vec<T>::type V;
+    typedef typename Vec<T>::itype I;
+    constexpr int L = Vec<T>::lanes;
+    constexpr int64_t RB = NV * L;
+    const T neg_inf = -std::numeric_limits<T>::infinity();
+    const int64_t D = p.head_dim, Dv = p.head_dim_v, G = p.group, N = p.key_tile;
+    const int64_t rows = G * qn;
+    const int64_t mp = round_up(rows, RB);
+
+    T* qp = scratch;
+    T* s = qp + mp * D;
+    T* o = s + N * mp;
+    T* row_max = o + Dv * mp;
+    T* row_sum = row_max + mp;
+    T* position = row_sum + mp;
+    T* k_converted = position + mp;
+    T* v_converted = k_converted + N * D;
+
+    /* Pack Q (scaled) as [mp/RB][D][RB]; zero rows pad the last block. */
+    const T scale = (T)p.scale;
+    for (int64_t r = 0; r < mp; ++r) {
+        T* dst = qp + (r / RB) * D * RB + (r % RB);
+        if (r < rows) {
+            const int64_t g = r / qn, i = q0 + r % qn, h = kvh * G + g;
+            const In* src = at<In>(p.q, b * p.q_stride[0] + h * p.q_stride[1] + i * p.q_stride[2]);
+            for (int64_t d = 0; d < D; ++d) dst[d * RB] = scale * load_as<T>(src[d]);
+            position[r] = (T)(i + p.offset);
+        } else {
+            for (int64_t d = 0; d < D; ++d) dst[d * RB] = T(0);
+            position[r] = (T)(q0 + p.offset);
+        }
+        row_max[r] = neg_inf;
+        row_sum[r] = T(0);
+    }
+    std::memset(o, 0, sizeof(T) * Dv * mp);
+
+    /* Keys any row of this item can see. */
+    const int64_t first_pos = q0 + p.offset, last_pos = q0 + qn - 1 + p.offset;
+    int64_t lo = k_begin, hi = std::min(k_end, p.key_lengths ? p.key_lengths[b] : p.seq_k);
+    if (p.causal) hi = std::min(hi, last_pos + 1);
+    if (p.window_left >= 0) lo = std::max(lo, first_pos - p.window_left);
+    if (p.window_right >= 0) hi = std::min(hi, last_pos + p.window_right + 1);
+
+    const bool softcap = p.softcap > 0;
+    const T cap = (T)p.softcap, inverse_cap = softcap ? (T)(1.0 / p.softcap) : T(0);
+
+    for (int64_t kt = lo; kt < hi; kt += N) {
+        const int64_t n = std::min(N, hi - kt);
+        const In* k_tile = at<In>(p.k, b * p.k_stride[0] + kvh * p.k_stride[1] + kt * p.k_stride[2]);
+        const In* v_tile = at<In>(p.v, b * p.v_stride[0] + kvh * p.v_stride[1] + kt * p.v_stride[2]);
+        const T* k_rows;
+        const T* v_rows;
+        int64_t k_row_stride, v_row_stride;
+        if constexpr (std::is_same<T, In>::value) {
+            k_rows = k_tile;
+            v_rows = v_tile;
+            k_row_stride = p.k_stride[2];
+            v_row_stride = p.v_stride[2];
+        } else {
+            for (int64_t j = 0; j < n; ++j) {
+                for (int64_t d = 0; d < D; ++d) k_converted[j * D + d] = load_as<T>(k_tile[j * p.k_stride[2] + d]);
+                for (int64_t d = 0; d < Dv; ++d) v_converted[j * Dv + d] = load_as<T>(v_tile[j * p.v_stride[2] + d]);
+            }
+            k_rows = k_converted;
+            v_rows = v_converted;
+            k_row_stride = D;
+            v_row_stride = Dv;
+        }
+
+        /* S[j][rows] = K Qp^T (scale already in Qp). */
+        for (int64_t rb = 0; rb < mp; rb += RB)
+            Blocked<T, NV>::qk_all(n, k_rows, k_row_stride, qp + rb * D, D, s + rb, mp);
+
+        if (softcap) {
+            const V c = vbroadcast(cap), ic = vbroadcast(inverse_cap);
+            for (int64_t e = 0; e < n * mp; e += L) vstore(s + e, c * vtanh(vload<V>(s + e) * ic));
+        }
+
+        /* Causal and window edges: only on tiles that straddle one. */
+        const bool causal_edge = p.causal && kt + n - 1 > first_pos;
+        const bool left_edge = p.window_left >= 0 && kt < last_pos - p.window_left;
+        const bool right_edge = p.window_right >= 0 && kt + n - 1 > first_pos + p.window_right;
+        if (causal_edge || left_edge || right_edge) {
+            const V minus_infinity = vbroadcast(neg_inf);
+            const V left = vbroadcast((T)p.window_left), right = vbroadcast((T)p.window_right);
+            for (int64_t j = 0; j < n; ++j) {
+                const V key = vbroadcast((T)(kt + j));
+                for (int64_t r = 0; r < mp; r += L) {
+                    const V pos = vload<V>(position + r);
+                    I visible = key == key;
+                    if (causal_edge) visible &= key <= pos;
+                    if (left_edge) visible &= key >= pos - left;
+                    if (right_edge) visible &= key <= pos + right;
+                    vstore(s + j * mp + r, vselect(visible, vload<V>(s + j * mp + r), minus_infinity));
+                }
+            }
+        }
+
+        if (p.mask_kind != MASK_NONE) {
+            for (int64_t r = 0; r < rows; ++r) {
+                const int64_t g = r / qn, i = q0 + r % qn, h = kvh * G + g;
+                const int64_t base = b * p.mask_stride[0] + h * p.mask_stride[1] + i * p.mask_stride[2];
+                for (int64_t j = 0; j < n; ++j) {
+                    bool visible = true;
+                    const T added = mask_value<T>(p, base + (kt + j) * p.mask_stride[3], &visible);
+                    T& score = s[j * mp + r];
+                    score = visible ? score + added : neg_inf;
+                }
+            }
+        }
+
+        /* Online softmax, vectorised over rows. */
+        for (int64_t r = 0; r < mp; r += L) {
+            V running = vload<V>(row_max + r);
+            V tile_max = vload<V>(s + r);
+            for (int64_t j = 1; j < n; ++j) tile_max = vmax(tile_max, vload<V>(s + j * mp + r));
+            const V new_max = vmax(running, tile_max);
+            const V shift = vselect(new_max == vbroadcast(neg_inf), V{}, new_max);
+            const V alpha = vexp(running - shift);
+            V total = V{};
+            for (int64_t j = 0; j < n; ++j) {
+                const V prob = vexp(vload<V>(s + j * mp + r) - shift);
+                vstore(s + j * mp + r, prob);
+                total += prob;
+            }
+            vstore(row_sum + r, vload<V>(row_sum + r) * alpha + total);
+            vstore(row_max + r, new_max);
+            for (int64_t c = 0; c < Dv; ++c) vstore(o + c * mp + r, vload<V>(o + c * mp + r) * alpha);
+        }
+
+        /* O[c][rows] += V^T P. */
+        for (int64_t rb = 0; rb < mp; rb += RB)
+            Blocked<T, NV>::pv_all(Dv, v_rows, v_row_stride, s + rb, mp, n, o + rb);
+    }
+
+    /* Normalise and write: rows that saw no key get 0 and lse -inf. */
+    for (int64_t r = 0; r < rows; ++r) {
+        const int64_t g = r / qn, i = q0 + r % qn, h = kvh * G + g;
+        const T total = row_sum[r];
+        const T inverse = total > 0 ? T(1) / total : T(0);
+        const T lse = total > 0 ? row_max[r] + std::log(total) : neg_inf;
+        if (partial_out) {
+            for (int64_t c = 0; c < Dv; ++c) partial_out[r * Dv + c] = o[c * mp + r] * inverse;
+            partial_lse[r] = lse;
+        } else {
+            In* dst = reinterpret_cast<In*>(p.out) + b * p.out_stride[0] + h * p.out_stride[1] + i * p.out_stride[2];
+            for (int64_t c = 0; c < Dv; ++c) dst[c] = Store<In>::from(o[c * mp + r] * inverse);
+            T* lse_out = reinterpret_cast<T*>(p.lse) + b * p.lse_stride[0] + h * p.lse_stride[1] + i * p.lse_stride[2];
+            *lse_out = lse;
+        }
+    }
+}
+
+/* ---- items, dispatch and the split-KV combine ------------------------------------------------------ */
+
+struct ItemIndex {
+    int64_t b, kvh, qb, split;
+};
+
+/* Heaviest items first: under causal masking the last query blocks see the most keys. */
+static inline ItemIndex decode_item(const FwdParams& p, int64_t item) {
+    ItemIndex index;
+    index.split = item % p.splits;
+    item /= p.splits;
+    index.kvh = item % p.heads_kv;
+    item /= p.heads_kv;
+    index.b = item % p.batch;
+    index.qb = p.query_blocks - 1 - item / p.batch;
+    return index;
+}
+
+static inline int64_t forward_items(const FwdParams& p) { return p.batch * p.heads_kv * p.query_blocks * p.splits; }
+
+static inline int64_t split_length(const FwdParams& p) {
+    return round_up((p.seq_k + p.splits - 1) / p.splits, p.key_tile);
+}
+
+template <typename T, typename In>
+static void run_item(const FwdParams& p, char* scratch, int64_t item) {
+    const ItemIndex index = decode_item(p, item);
+    const int64_t q0 = index.qb * p.block_queries;
+    const int64_t qn = std::min(p.block_queries, p.seq_q - q0);
+    const int64_t rows = p.group * p.block_queries;
+    T* partial_out = nullptr;
+    T* partial_lse = nullptr;
+    int64_t k_begin = 0, k_end = p.seq_k;
+    if (p.splits > 1) {
+        const int64_t slot = ((index.b * p.heads_kv + index.kvh) * p.query_blocks + index.qb) * p.splits + index.split;
+        partial_out = reinterpret_cast<T*>(p.partial_out) + slot * rows * p.head_dim_v;
+        partial_lse = reinterpret_cast<T*>(p.partial_lse) + slot * rows;
+        k_begin = index.split * split_length(p);
+        k_end = std::min(p.seq_k, k_begin + split_length(p));
+        for (int64_t r = 0; r < rows; ++r) partial_lse[r] = -std::numeric_limits<T>::infinity();
+    }
+    T* buffer = reinterpret_cast<T*>(scratch);
+    if (RowShape<T>(p.group * qn).nv == 1)
+        forward_block<T, In, 1>(p, buffer, index.b, index.kvh, q0, qn, k_begin, k_end, partial_out, partial_lse);
+    else
+        forward_block<T, In, 2>(p, buffer, index.b, index.kvh, q0, qn, k_begin, k_end, partial_out, partial_lse);
+}
+
+/* Merge the splits of one (b, kv head, query block) by their lse. */
+template <typename T, typename In>
+static void combine_item(const FwdParams& p, int64_t index) {
+    const int64_t qb = index % p.query_blocks, bk = index / p.query_blocks;
+    const int64_t b = bk / p.heads_kv, kvh = bk % p.heads_kv;
+    const int64_t q0 = qb * p.block_queries, qn = std::min(p.block_queries, p.seq_q - q0);
+    const int64_t rows_alloc = p.group * p.block_queries, Dv = p.head_dim_v;
+    const T* parts = reinterpret_cast<const T*>(p.partial_out) + index * p.splits * rows_alloc * Dv;
+    const T* lses = reinterpret_cast<const T*>(p.partial_lse) + index * p.splits * rows_alloc;
+    for (int64_t r = 0; r < p.group * qn; ++r) {
+        const int64_t g = r / qn, i = q0 + r % qn, h = kvh * p.group + g;
+        T top = -std::numeric_limits<T>::infinity();
+        for (int64_t sp = 0; sp < p.splits; ++sp) top = std::max(top, lses[sp * rows_alloc + r]);
+        In* dst = reinterpret_cast<In*>(p.out) + b * p.out_stride[0] + h * p.out_stride[1] + i * p.out_stride[2];
+        T* lse_out = reinterpret_cast<T*>(p.lse) + b * p.lse_stride[0] + h * p.lse_stride[1] + i * p.lse_stride[2];
+        if (top == -std::numeric_limits<T>::infinity()) {
+            for (int64_t c = 0; c < Dv; ++c) dst[c] = Store<In>::from(T(0));
+            *lse_out = top;
+            continue;
+        }
+        T total = 0;
+        for (int64_t sp = 0; sp < p.splits; ++sp) total += std::exp(lses[sp * rows_alloc + r] - top);
+        for (int64_t c = 0; c < Dv; ++c) {
+            T value = 0;
+            for (int64_t sp = 0; sp < p.splits; ++sp) {
+                const T weight = std::exp(lses[sp * rows_alloc + r] - top);
+                if (weight > 0) value += weight * parts[(sp * rows_alloc + r) * Dv + c];
+            }
+            dst[c] = Store<In>::from(value / total);
+        }
+        *lse_out = top + std::log(total);
+    }
+}
+
+}  // namespace fastattn
+
+/* ---- the entry points Cython calls ------------------------------------------------------------------ */
+
+static inline size_t fa_forward_scratch_bytes(const fastattn::FwdParams* p) {
+    if (p->dtype == fastattn::DTYPE_FLOAT64) return sizeof(double) * fastattn::scratch_elements<double>(*p);
+    return sizeof(float) * fastattn::scratch_elements<float>(*p);
+}
+
+static inline size_t fa_forward_partial_elements(const fastattn::FwdParams* p) {
+    return (size_t)(p->batch * p->heads_kv * p->query_blocks * p->splits * p->group * p->block_queries);
+}
+
+static inline int64_t fa_forward_items(const fastattn::FwdParams* p) { return fastattn::forward_items(*p); }
+
+static inline void fa_forward_item(const fastattn::FwdParams* p, char* scratch, int64_t item) {
+    using namespace fastattn;
+    switch (p->dtype) {
+        case DTYPE_FLOAT32: run_item<float, float>(*p, scratch, item); break;
+        case DTYPE_FLOAT64: run_item<double, double>(*p, scratch, item); break;
+        case DTYPE_FLOAT16: run_item<float, half_bits>(*p, scratch, item); break;
+        case DTYPE_BFLOAT16: run_item<float, bfloat16_bits>(*p, scratch, item); break;
+        default: break;
+    }
+}
+
+static inline void fa_forward_combine(const fastattn::FwdParams* p, int64_t index) {
+    using namespace fastattn;
+    switch (p->dtype) {
+        case DTYPE_FLOAT32: combine_item<float, float>(*p, index); break;
+        case DTYPE_FLOAT64: combine_item<double, double>(*p, index); break;
+        case DTYPE_FLOAT16: combine_item<float, half_bits>(*p, index); break;
+        case DTYPE_BFLOAT16: combine_item<float, bfloat16_bits>(*p, index); break;
+        default: break;
+    }
+}
+
+#endif

@@ -1,0 +1,184 @@
+/* Portable SIMD for the CPU kernels: GCC/Clang vector extensions, one native register wide.
+ *
+ * The kernels are written once over Vec<T>::type (T = float or double).  The width is the widest
+ * register the compiler targets: 64 bytes with AVX-512 (16 floats), else 32 bytes (AVX2: 8 floats;
+ * on other targets the compiler splits it into what the machine has).  setup.py compiles with
+ * -march=native by default, so a source build uses the machine's own vector unit.
+ *
+ * Also here: a vectorised exp for float (Cephes' polynomial with exact 2^n scaling, ~1 ulp, and
+ * exactly 0 below the underflow threshold, so exp(-inf) = 0 as masking needs) and the bit-level
+ * conversions between float and float16 / bfloat16 used to read and write half-precision arrays.
+ */
+#ifndef FASTATTN_SIMD_H
+#define FASTATTN_SIMD_H
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512F__)
+#define FASTATTN_VECTOR_BYTES 64
+#else
+#define FASTATTN_VECTOR_BYTES 32
+#endif
+
+namespace fastattn {
+
+template <typename T> struct Vec;
+
+template <> struct Vec<float> {
+    typedef float type __attribute__((vector_size(FASTATTN_VECTOR_BYTES)));
+    typedef int32_t itype __attribute__((vector_size(FASTATTN_VECTOR_BYTES)));
+    static constexpr int lanes = FASTATTN_VECTOR_BYTES / 4;
+};
+
+template <> struct Vec<double> {
+    typedef double type __attribute__((vector_size(FASTATTN_VECTOR_BYTES)));
+    typedef int64_t itype __attribute__((vector_size(FASTATTN_VECTOR_BYTES)));
+    static constexpr int lanes = FASTATTN_VECTOR_BYTES / 8;
+};
+
+template <typename V> static inline V vload(const void* p) {
+    V v;
+    std::memcpy(&v, p, sizeof(V));
+    return v;
+}
+
+template <typename V> static inline void vstore(void* p, V v) { std::memcpy(p, &v, sizeof(V)); }
+
+template <typename T> static inline typename Vec<T>::type vbroadcast(T x) {
+    typename Vec<T>::type zero = {};
+    return zero + x;
+}
+
+/* Bitwise select: lanes of a where mask is all ones, else b (mask from a vector comparison). */
+template <typename V, typename M> static inline V vselect(M mask, V a, V b) {
+    return (V)(((M)a & mask) | ((M)b & ~mask));
+}
+
+template <typename V> static inline V vmax(V a, V b) { return vselect(a > b, a, b); }
+template <typename V> static inline V vmin(V a, V b) { return vselect(a < b, a, b); }
+
+/* exp for float lanes: Cephes expf (range reduction by n = round(x log2 e), degree-6 polynomial,
+ * 2^n built in the exponent bits); inputs below ln(FLT_MIN) give exactly 0, -inf included. */
+static inline Vec<float>::type vexp(Vec<float>::type x) {
+    typedef Vec<float>::type V;
+    typedef Vec<float>::itype I;
+    const V high = vbroadcast(88.3762626647949f);
+    const V low = vbroadcast(-87.3365447504019f);
+    I underflow = x < low;
+    x = vmin(vmax(x, low), high);
+    const V magic = vbroadcast(12582912.0f); /* 1.5 * 2^23: adding it rounds to an integer */
+    V shifted = x * 1.44269504088896341f + magic;
+    V n = shifted - magic;
+    I exponent = (I)shifted - (I)magic;
+    V r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    V y = vbroadcast(1.9875691500E-4f);
+    y = y * r + 1.3981999507E-3f;
+    y = y * r + 8.3334519073E-3f;
+    y = y * r + 4.1665795894E-2f;
+    y = y * r + 1.6666665459E-1f;
+    y = y * r + 5.0000001201E-1f;
+    y = y * r * r + r + 1.0f;
+    V scale = (V)((exponent + 127) << 23);
+    return (V)((I)(y * scale) & ~underflow);
+}
+
+/* exp for double lanes: libm, lane by lane (float64 is the exact path, not the fast one). */
+static inline Vec<double>::type vexp(Vec<double>::type x) {
+    for (int i = 0; i < Vec<double>::lanes; ++i) x[i] = std::exp(x[i]);
+    return x;
+}
+
+/* tanh through exp: 1 - 2 / (exp(2x) + 1), saturating correctly at both ends. */
+static inline Vec<float>::type vtanh(Vec<float>::type x) {
+    return 1.0f - 2.0f / (vexp(x + x) + 1.0f);
+}
+
+static inline Vec<double>::type vtanh(Vec<double>::type x) {
+    for (int i = 0; i < Vec<double>::lanes; ++i) x[i] = std::tanh(x[i]);
+    return x;
+}
+
+/* Storage types of half-precision inputs (raw 16-bit patterns). */
+struct half_bits { uint16_t bits; };
+struct bfloat16_bits { uint16_t bits; };
+
+static inline float to_float(float x) { return x; }
+static inline double to_double(double x) { return x; }
+
+static inline float to_float(bfloat16_bits x) {
+    uint32_t bits = (uint32_t)x.bits << 16;
+    float result;
+    std::memcpy(&result, &bits, 4);
+    return result;
+}
+
+static inline float to_float(half_bits x) {
+    uint32_t sign = (uint32_t)(x.bits & 0x8000u) << 16;
+    uint32_t exponent = (x.bits >> 10) & 0x1fu;
+    uint32_t mantissa = x.bits & 0x3ffu;
+    uint32_t bits;
+    if (exponent == 0x1fu) {
+        bits = sign | 0x7f800000u | (mantissa << 13); /* inf, nan */
+    } else if (exponent != 0) {
+        bits = sign | ((exponent + 112u) << 23) | (mantissa << 13);
+    } else if (mantissa == 0) {
+        bits = sign;
+    } else { /* subnormal half: normalise */
+        int shift = 0;
+        while ((mantissa & 0x400u) == 0) {
+            mantissa <<= 1;
+            ++shift;
+        }
+        bits = sign | ((uint32_t)(113 - shift) << 23) | ((mantissa & 0x3ffu) << 13);
+    }
+    float result;
+    std::memcpy(&result, &bits, 4);
+    return result;
+}
+
+/* float -> bfloat16, round to nearest even (nan stays nan). */
+static inline bfloat16_bits from_float_bf16(float x) {
+    uint32_t bits;
+    std::memcpy(&bits, &x, 4);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return bfloat16_bits{(uint16_t)((bits >> 16) | 0x40u)};
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return bfloat16_bits{(uint16_t)(bits >> 16)};
+}
+
+/* float -> float16, round to nearest even, overflow to inf, gradual underflow. */
+static inline half_bits from_float_half(float x) {
+    uint32_t bits;
+    std::memcpy(&bits, &x, 4);
+    uint16_t sign = (uint16_t)((bits >> 16) & 0x8000u);
+    uint32_t magnitude = bits & 0x7fffffffu;
+    if (magnitude > 0x7f800000u) return half_bits{(uint16_t)(sign | 0x7e00u)};
+    if (magnitude >= 0x477ff000u) return half_bits{(uint16_t)(sign | 0x7c00u)}; /* rounds past 65504 */
+    if (magnitude < 0x38800000u) {                                                /* subnormal or zero */
+        if (magnitude < 0x33000000u) return half_bits{sign};
+        uint32_t exponent = magnitude >> 23;
+        uint32_t mantissa = (magnitude & 0x7fffffu) | 0x800000u;
+        uint32_t shift = 126u - exponent; /* 14 .. 24 */
+        uint32_t half_mantissa = mantissa >> shift;
+        uint32_t rest = mantissa & ((1u << shift) - 1u);
+        uint32_t halfway = 1u << (shift - 1u);
+        if (rest > halfway || (rest == halfway && (half_mantissa & 1u))) ++half_mantissa;
+        return half_bits{(uint16_t)(sign | half_mantissa)};
+    }
+    uint32_t rounded = magnitude + 0xfffu + ((magnitude >> 13) & 1u);
+    return half_bits{(uint16_t)(sign | ((rounded - 0x38000000u) >> 13))};
+}
+
+template <typename Out> struct Store;
+template <> struct Store<float> { static inline float from(float x) { return x; } };
+template <> struct Store<double> { static inline double from(double x) { return x; } };
+template <> struct Store<half_bits> { static inline half_bits from(float x) { return from_float_half(x); } };
+template <> struct Store<bfloat16_bits> { static inline bfloat16_bits from(float x) { return from_float_bf16(x); } };
+
+template <typename T, typename In> static inline T load_as(In x) { return (T)to_float(x); }
+template <> inline double load_as<double, double>(double x) { return x; }
+
+}  // namespace fastattn
+
+#endif
