@@ -92,9 +92,10 @@ template <typename T> struct RowShape {
     }
 };
 
+/* Enough for forward_block (rows-as-lanes) and forward_block_dot (<= 8 rows) alike. */
 template <typename T> static size_t scratch_elements(const FwdParams& p) {
     RowShape<T> shape(p.group * p.block_queries);
-    int64_t mp = shape.padded, n = p.key_tile;
+    int64_t mp = std::max<int64_t>(shape.padded, 8), n = p.key_tile;
     return (size_t)(mp * p.head_dim + n * mp + p.head_dim_v * mp + 3 * mp + n * (p.head_dim + p.head_dim_v) +
                     4 * lanes<T>());
 }
@@ -269,6 +270,19 @@ static void forward_block(const FwdParams& p, T* scratch, int64_t b, int64_t kvh
             v_row_stride = Dv;
         }
 
+        /* Ask for the next tile's K and V rows now: streaming them is what bounds decode. */
+        if (kt + N < hi) {
+            const int64_t next = std::min(N, hi - kt - N);
+            const char* k_next = reinterpret_cast<const char*>(k_tile + N * p.k_stride[2]);
+            const char* v_next = reinterpret_cast<const char*>(v_tile + N * p.v_stride[2]);
+            for (int64_t j = 0; j < next; ++j) {
+                for (int64_t byte = 0; byte < D * (int64_t)sizeof(In); byte += 64)
+                    __builtin_prefetch(k_next + j * p.k_stride[2] * (int64_t)sizeof(In) + byte);
+                for (int64_t byte = 0; byte < Dv * (int64_t)sizeof(In); byte += 64)
+                    __builtin_prefetch(v_next + j * p.v_stride[2] * (int64_t)sizeof(In) + byte);
+            }
+        }
+
         /* S[j][rows] = K Qp^T (scale already in Qp). */
         for (int64_t rb = 0; rb < mp; rb += RB)
             Blocked<T, NV>::qk_all(n, k_rows, k_row_stride, qp + rb * D, D, s + rb, mp);
@@ -353,6 +367,183 @@ static void forward_block(const FwdParams& p, T* scratch, int64_t b, int64_t kvh
     }
 }
 
+/* ---- one work item with few rows (decode) -------------------------------------------------------- */
+
+/* With R <= kDotMaxRows query rows, rows-as-lanes would leave most lanes idle.  Here the vectors
+ * run along the head dimension instead: S[r][j] = dot(K[j], q[r]) (R accumulators, one
+ * reduction per score), the softmax runs along keys, and O[r][:] += P[r][j] V[j][:] keeps
+ * R x CB vectors of O in registers while the tile's V rows stream past.  Same masking, key range
+ * and output conventions as forward_block. */
+constexpr int kDotMaxRows = 8;
+
+template <typename T, typename In, int R>
+static void forward_block_dot(const FwdParams& p, T* scratch, int64_t b, int64_t kvh, int64_t q0, int64_t qn,
+                              int64_t k_begin, int64_t k_end, T* partial_out, T* partial_lse) {
+    typedef typename Vec<T>::type V;
+    constexpr int L = Vec<T>::lanes;
+    constexpr int CB = R >= 8 ? 2 : R >= 4 ? 4 : 8; /* O columns (vectors) held per row */
+    const T neg_inf = -std::numeric_limits<T>::infinity();
+    const int64_t D = p.head_dim, Dv = p.head_dim_v, G = p.group, N = p.key_tile;
+    const int64_t d_main = D / L * L, dv_main = Dv / (L * CB) * (L * CB);
+
+    T* q = scratch;               /* [R][D], scaled */
+    T* s = q + R * D;             /* [R][N] */
+    T* o = s + R * N;             /* [R][Dv] */
+    T* k_converted = o + R * Dv;  /* [N][D] */
+    T* v_converted = k_converted + N * D;
+    T row_max[R], row_sum[R], position[R];
+    int64_t head[R], query[R];
+
+    const T scale = (T)p.scale;
+    for (int r = 0; r < R; ++r) {
+        head[r] = kvh * G + r / qn;
+        query[r] = q0 + r % qn;
+        const In* src = at<In>(p.q, b * p.q_stride[0] + head[r] * p.q_stride[1] + query[r] * p.q_stride[2]);
+        for (int64_t d = 0; d < D; ++d) q[r * D + d] = scale * load_as<T>(src[d]);
+        position[r] = (T)(query[r] + p.offset);
+        row_max[r] = neg_inf;
+        row_sum[r] = T(0);
+    }
+    std::memset(o, 0, sizeof(T) * R * Dv);
+
+    const int64_t first_pos = q0 + p.offset, last_pos = q0 + qn - 1 + p.offset;
+    int64_t lo = k_begin, hi = std::min(k_end, p.key_lengths ? p.key_lengths[b] : p.seq_k);
+    if (p.causal) hi = std::min(hi, last_pos + 1);
+    if (p.window_left >= 0) lo = std::max(lo, first_pos - p.window_left);
+    if (p.window_right >= 0) hi = std::min(hi, last_pos + p.window_right + 1);
+    const bool softcap = p.softcap > 0;
+
+    for (int64_t kt = lo; kt < hi; kt += N) {
+        const int64_t n = std::min(N, hi - kt);
+        const In* k_tile = at<In>(p.k, b * p.k_stride[0] + kvh * p.k_stride[1] + kt * p.k_stride[2]);
+        const In* v_tile = at<In>(p.v, b * p.v_stride[0] + kvh * p.v_stride[1] + kt * p.v_stride[2]);
+        const T* k_rows;
+        const T* v_rows;
+        int64_t k_row_stride, v_row_stride;
+        if constexpr (std::is_same<T, In>::value) {
+            k_rows = k_tile;
+            v_rows = v_tile;
+            k_row_stride = p.k_stride[2];
+            v_row_stride = p.v_stride[2];
+        } else {
+            for (int64_t j = 0; j < n; ++j) {
+                for (int64_t d = 0; d < D; ++d) k_converted[j * D + d] = load_as<T>(k_tile[j * p.k_stride[2] + d]);
+                for (int64_t d = 0; d < Dv; ++d) v_converted[j * Dv + d] = load_as<T>(v_tile[j * p.v_stride[2] + d]);
+            }
+            k_rows = k_converted;
+            v_rows = v_converted;
+            k_row_stride = D;
+            v_row_stride = Dv;
+        }
+        if (kt + N < hi) {
+            const int64_t next = std::min(N, hi - kt - N);
+            for (int64_t j = 0; j < next; ++j) {
+                const char* k_next = reinterpret_cast<const char*>(k_tile + (N + j) * p.k_stride[2]);
+                const char* v_next = reinterpret_cast<const char*>(v_tile + (N + j) * p.v_stride[2]);
+                for (int64_t byte = 0; byte < D * (int64_t)sizeof(In); byte += 64) __builtin_prefetch(k_next + byte);
+                for (int64_t byte = 0; byte < Dv * (int64_t)sizeof(In); byte += 64) __builtin_prefetch(v_next + byte);
+            }
+        }
+
+        /* Scores: one dot product per (row, key), vectors along D. */
+        for (int64_t j = 0; j < n; ++j) {
+            const T* key = k_rows + j * k_row_stride;
+            V acc[R];
+            for (int r = 0; r < R; ++r) acc[r] = V{};
+            for (int64_t d = 0; d < d_main; d += L) {
+                const V kv = vload<V>(key + d);
+                for (int r = 0; r < R; ++r) acc[r] += kv * vload<V>(q + r * D + d);
+            }
+            for (int r = 0; r < R; ++r) {
+                T total = vsum<T>(acc[r]);
+                for (int64_t d = d_main; d < D; ++d) total += key[d] * q[r * D + d];
+                s[r * N + j] = total;
+            }
+        }
+
+        for (int r = 0; r < R; ++r) {
+            T* row = s + r * N;
+            const int64_t base = b * p.mask_stride[0] + head[r] * p.mask_stride[1] + query[r] * p.mask_stride[2];
+            for (int64_t j = 0; j < n; ++j) {
+                T score = row[j];
+                if (softcap) score = (T)p.softcap * std::tanh(score / (T)p.softcap);
+                const T key = (T)(kt + j);
+                bool visible = !(p.causal && key > position[r]) &&
+                               !(p.window_left >= 0 && key < position[r] - (T)p.window_left) &&
+                               !(p.window_right >= 0 && key > position[r] + (T)p.window_right);
+                if (p.mask_kind != MASK_NONE) {
+                    bool allowed = true;
+                    score += mask_value<T>(p, base + (kt + j) * p.mask_stride[3], &allowed);
+                    visible = visible && allowed;
+                }
+                row[j] = visible ? score : neg_inf;
+            }
+            /* Online softmax along the keys of this row. */
+            T tile_max = neg_inf;
+            for (int64_t j = 0; j < n; ++j) tile_max = std::max(tile_max, row[j]);
+            const T new_max = std::max(row_max[r], tile_max);
+            const T shift = new_max == neg_inf ? T(0) : new_max;
+            const T alpha = row_max[r] == neg_inf ? T(0) : std::exp(row_max[r] - shift);
+            const V vshift = vbroadcast(shift);
+            V total = V{};
+            int64_t j = 0;
+            for (; j + L <= n; j += L) {
+                const V prob = vexp(vload<V>(row + j) - vshift);
+                vstore(row + j, prob);
+                total += prob;
+            }
+            T tail = 0;
+            for (; j < n; ++j) {
+                row[j] = row[j] == neg_inf ? T(0) : std::exp(row[j] - shift);
+                tail += row[j];
+            }
+            row_sum[r] = row_sum[r] * alpha + vsum<T>(total) + tail;
+            row_max[r] = new_max;
+            if (alpha != T(1))
+                for (int64_t c = 0; c < Dv; ++c) o[r * Dv + c] *= alpha;
+        }
+
+        /* O[r][:] += P[r][j] V[j][:], CB vectors of each row's O in registers. */
+        for (int64_t c = 0; c < dv_main; c += CB * L) {
+            V acc[R][CB];
+            for (int r = 0; r < R; ++r)
+                for (int cb = 0; cb < CB; ++cb) acc[r][cb] = vload<V>(o + r * Dv + c + cb * L);
+            for (int64_t j = 0; j < n; ++j) {
+                const T* value = v_rows + j * v_row_stride + c;
+                V vv[CB];
+                for (int cb = 0; cb < CB; ++cb) vv[cb] = vload<V>(value + cb * L);
+                for (int r = 0; r < R; ++r) {
+                    const V weight = vbroadcast(s[r * N + j]);
+                    for (int cb = 0; cb < CB; ++cb) acc[r][cb] += weight * vv[cb];
+                }
+            }
+            for (int r = 0; r < R; ++r)
+                for (int cb = 0; cb < CB; ++cb) vstore(o + r * Dv + c + cb * L, acc[r][cb]);
+        }
+        for (int64_t j = 0; j < n; ++j) {
+            const T* value = v_rows + j * v_row_stride;
+            for (int r = 0; r < R; ++r)
+                for (int64_t c = dv_main; c < Dv; ++c) o[r * Dv + c] += s[r * N + j] * value[c];
+        }
+    }
+
+    for (int r = 0; r < R; ++r) {
+        const T total = row_sum[r];
+        const T inverse = total > 0 ? T(1) / total : T(0);
+        const T lse = total > 0 ? row_max[r] + std::log(total) : neg_inf;
+        if (partial_out) {
+            for (int64_t c = 0; c < Dv; ++c) partial_out[r * Dv + c] = o[r * Dv + c] * inverse;
+            partial_lse[r] = lse;
+        } else {
+            In* dst = reinterpret_cast<In*>(p.out) + b * p.out_stride[0] + head[r] * p.out_stride[1] +
+                      query[r] * p.out_stride[2];
+            for (int64_t c = 0; c < Dv; ++c) dst[c] = Store<In>::from(o[r * Dv + c] * inverse);
+            *(reinterpret_cast<T*>(p.lse) + b * p.lse_stride[0] + head[r] * p.lse_stride[1] +
+              query[r] * p.lse_stride[2]) = lse;
+        }
+    }
+}
+
 /* ---- items, dispatch and the split-KV combine ------------------------------------------------------ */
 
 struct ItemIndex {
@@ -395,6 +586,14 @@ static void run_item(const FwdParams& p, char* scratch, int64_t item) {
         for (int64_t r = 0; r < rows; ++r) partial_lse[r] = -std::numeric_limits<T>::infinity();
     }
     T* buffer = reinterpret_cast<T*>(scratch);
+    switch (p.group * qn) {
+#define FASTATTN_DOT_CASE(R) \
+    case R: return forward_block_dot<T, In, R>(p, buffer, index.b, index.kvh, q0, qn, k_begin, k_end, partial_out, partial_lse);
+        FASTATTN_DOT_CASE(1) FASTATTN_DOT_CASE(2) FASTATTN_DOT_CASE(3) FASTATTN_DOT_CASE(4)
+        FASTATTN_DOT_CASE(5) FASTATTN_DOT_CASE(6) FASTATTN_DOT_CASE(7) FASTATTN_DOT_CASE(8)
+#undef FASTATTN_DOT_CASE
+        default: break;
+    }
     if (RowShape<T>(p.group * qn).nv == 1)
         forward_block<T, In, 1>(p, buffer, index.b, index.kvh, q0, qn, k_begin, k_end, partial_out, partial_lse);
     else

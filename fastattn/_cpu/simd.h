@@ -46,9 +46,16 @@ template <typename V> static inline V vload(const void* p) {
 
 template <typename V> static inline void vstore(void* p, V v) { std::memcpy(p, &v, sizeof(V)); }
 
+/* x - 0 is exactly x for every x (-0 included), so the compiler folds it into one broadcast. */
 template <typename T> static inline typename Vec<T>::type vbroadcast(T x) {
-    typename Vec<T>::type zero = {};
-    return zero + x;
+    return x - typename Vec<T>::type{};
+}
+
+/* Sum of the lanes. */
+template <typename T> static inline T vsum(typename Vec<T>::type v) {
+    T total = 0;
+    for (int i = 0; i < Vec<T>::lanes; ++i) total += v[i];
+    return total;
 }
 
 /* Bitwise select: lanes of a where mask is all ones, else b (mask from a vector comparison). */
