@@ -2513,6 +2513,9 @@ static void __Pyx_AddTraceback(const char *funcname, int c_line,
 /* CIntFromPy.proto */
 static CYTHON_INLINE int64_t __Pyx_PyLong_As_int64_t(PyObject *);
 
+/* CIntFromPy.proto */
+static CYTHON_INLINE int __Pyx_PyLong_As_int(PyObject *);
+
 /* PyObjectVectorcallMethodKwds.proto (used by CIntToPy) */
 #if CYTHON_VECTORCALL
 #define __Pyx_Object_VectorcallMethodKwds PyObject_VectorcallMethod
@@ -2528,9 +2531,6 @@ static CYTHON_INLINE size_t __Pyx_PyLong_As_size_t(PyObject *);
 
 /* CIntToPy.proto */
 static CYTHON_INLINE PyObject* __Pyx_PyLong_From_int(int value);
-
-/* CIntFromPy.proto */
-static CYTHON_INLINE int __Pyx_PyLong_As_int(PyObject *);
 
 /* CIntFromPy.proto */
 static CYTHON_INLINE long __Pyx_PyLong_As_long(PyObject *);
@@ -2642,7 +2642,7 @@ int __pyx_module_is_main_fastattn___cpu___forward = 0;
 /* #### Code section: string_decls ### */
 static const char __pyx_k_Cython_entry_point_of_the_CPU_fl[] = "Cython entry point of the CPU flash forward: fills the kernel\047s parameters, runs the work items\nin an OpenMP ``prange`` with the GIL released and one scratch buffer per thread, then (decode with\nsplit keys) merges the partial results.  The arithmetic lives in ``flash_forward.h``.\n";
 /* #### Code section: decls ### */
-static PyObject *__pyx_pf_8fastattn_4_cpu_8_forward_forward(CYTHON_UNUSED PyObject *__pyx_self, PyObject *__pyx_v_q, PyObject *__pyx_v_k, PyObject *__pyx_v_v, PyObject *__pyx_v_out, PyObject *__pyx_v_lse, double __pyx_v_scale, double __pyx_v_softcap, int __pyx_v_causal, int64_t __pyx_v_offset, int64_t __pyx_v_window_left, int64_t __pyx_v_window_right, PyObject *__pyx_v_mask, PyObject *__pyx_v_key_lengths, int64_t __pyx_v_block_queries, int64_t __pyx_v_key_tile, int64_t __pyx_v_splits); /* proto */
+static PyObject *__pyx_pf_8fastattn_4_cpu_8_forward_forward(CYTHON_UNUSED PyObject *__pyx_self, PyObject *__pyx_v_q, PyObject *__pyx_v_k, PyObject *__pyx_v_v, PyObject *__pyx_v_out, PyObject *__pyx_v_lse, double __pyx_v_scale, double __pyx_v_softcap, int __pyx_v_causal, int64_t __pyx_v_offset, int64_t __pyx_v_window_left, int64_t __pyx_v_window_right, PyObject *__pyx_v_mask, PyObject *__pyx_v_key_lengths, int64_t __pyx_v_block_queries, int64_t __pyx_v_key_tile, int64_t __pyx_v_splits, int __pyx_v_threads); /* proto */
 /* #### Code section: late_includes ### */
 /* #### Code section: module_state ### */
 /* SmallCodeConfig */
@@ -2786,7 +2786,7 @@ static __pyx_mstatetype * const __pyx_mstate_global = &__pyx_mstate_global_stati
 #define __pyx_n_u_values __pyx_string_tab[62]
 #define __pyx_n_u_window_left __pyx_string_tab[63]
 #define __pyx_n_u_window_right __pyx_string_tab[64]
-#define __pyx_kp_b_iso88591_D_U_U_U_WHHAQ_WHHAQ_AQk_A_AQk_A __pyx_string_tab[65]
+#define __pyx_kp_b_iso88591_H_U_U_U_WHHAQ_WHHAQ_AQk_A_AQk_A __pyx_string_tab[65]
 #define __pyx_int_0 __pyx_number_tab[0]
 #define __pyx_int_1 __pyx_number_tab[1]
 #define __pyx_int_2 __pyx_number_tab[2]
@@ -2856,7 +2856,7 @@ return 0;
 #endif
 /* #### Code section: module_code ### */
 
-/* "fastattn/_cpu/_forward.pyx":58
+/* "fastattn/_cpu/_forward.pyx":57
  * 
  * 
  * cdef inline size_t _address(array):             # <<<<<<<<<<<<<<
@@ -2875,22 +2875,22 @@ static CYTHON_INLINE size_t __pyx_f_8fastattn_4_cpu_8_forward__address(PyObject 
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("_address", 0);
 
-  /* "fastattn/_cpu/_forward.pyx":59
+  /* "fastattn/_cpu/_forward.pyx":58
  * 
  * cdef inline size_t _address(array):
  *     return <size_t> array.__array_interface__["data"][0]             # <<<<<<<<<<<<<<
  * 
  * 
 */
-  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_array, __pyx_mstate_global->__pyx_n_u_array_interface); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 59, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_array, __pyx_mstate_global->__pyx_n_u_array_interface); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 58, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
-  __pyx_t_2 = __Pyx_PyObject_Dict_GetItem(__pyx_t_1, __pyx_mstate_global->__pyx_n_u_data); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 59, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyObject_Dict_GetItem(__pyx_t_1, __pyx_mstate_global->__pyx_n_u_data); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 58, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
-  __pyx_t_1 = __Pyx_GetItemInt(__pyx_t_2, 0, long, 1, __Pyx_PyLong_From_long, 0, 0, 1, __Pyx_ReferenceSharing_OwnStrongReference); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 59, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_GetItemInt(__pyx_t_2, 0, long, 1, __Pyx_PyLong_From_long, 0, 0, 1, __Pyx_ReferenceSharing_OwnStrongReference); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 58, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
-  __pyx_t_3 = __Pyx_PyLong_As_size_t(__pyx_t_1); if (unlikely((__pyx_t_3 == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 59, __pyx_L1_error)
+  __pyx_t_3 = __Pyx_PyLong_As_size_t(__pyx_t_1); if (unlikely((__pyx_t_3 == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 58, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
   {
 
@@ -2899,7 +2899,7 @@ static CYTHON_INLINE size_t __pyx_f_8fastattn_4_cpu_8_forward__address(PyObject 
 
   goto __pyx_L0;
 
-  /* "fastattn/_cpu/_forward.pyx":58
+  /* "fastattn/_cpu/_forward.pyx":57
  * 
  * 
  * cdef inline size_t _address(array):             # <<<<<<<<<<<<<<
@@ -2919,7 +2919,7 @@ static CYTHON_INLINE size_t __pyx_f_8fastattn_4_cpu_8_forward__address(PyObject 
   return __pyx_r;
 }
 
-/* "fastattn/_cpu/_forward.pyx":62
+/* "fastattn/_cpu/_forward.pyx":61
  * 
  * 
  * cdef void _strides(int64_t* dst, array, int count):             # <<<<<<<<<<<<<<
@@ -2942,7 +2942,7 @@ static void __pyx_f_8fastattn_4_cpu_8_forward__strides(int64_t *__pyx_v_dst, PyO
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("_strides", 0);
 
-  /* "fastattn/_cpu/_forward.pyx":64
+  /* "fastattn/_cpu/_forward.pyx":63
  * cdef void _strides(int64_t* dst, array, int count):
  *     cdef int axis
  *     for axis in range(count):             # <<<<<<<<<<<<<<
@@ -2956,32 +2956,32 @@ static void __pyx_f_8fastattn_4_cpu_8_forward__strides(int64_t *__pyx_v_dst, PyO
   for (__pyx_t_3 = 0; __pyx_t_3 < __pyx_t_2; __pyx_t_3+=1) {
     __pyx_v_axis = __pyx_t_3;
 
-    /* "fastattn/_cpu/_forward.pyx":65
+    /* "fastattn/_cpu/_forward.pyx":64
  *     cdef int axis
  *     for axis in range(count):
  *         dst[axis] = array.strides[axis] // array.itemsize             # <<<<<<<<<<<<<<
  * 
  * 
 */
-    __pyx_t_4 = __Pyx_PyObject_GetAttrStr(__pyx_v_array, __pyx_mstate_global->__pyx_n_u_strides); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 65, __pyx_L1_error)
+    __pyx_t_4 = __Pyx_PyObject_GetAttrStr(__pyx_v_array, __pyx_mstate_global->__pyx_n_u_strides); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 64, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_4);
-    __pyx_t_5 = __Pyx_GetItemInt(__pyx_t_4, __pyx_v_axis, int, 1, __Pyx_PyLong_From_int, 0, 0, 1, __Pyx_ReferenceSharing_OwnStrongReference); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 65, __pyx_L1_error)
+    __pyx_t_5 = __Pyx_GetItemInt(__pyx_t_4, __pyx_v_axis, int, 1, __Pyx_PyLong_From_int, 0, 0, 1, __Pyx_ReferenceSharing_OwnStrongReference); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 64, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_5);
     __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-    __pyx_t_4 = __Pyx_PyObject_GetAttrStr(__pyx_v_array, __pyx_mstate_global->__pyx_n_u_itemsize); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 65, __pyx_L1_error)
+    __pyx_t_4 = __Pyx_PyObject_GetAttrStr(__pyx_v_array, __pyx_mstate_global->__pyx_n_u_itemsize); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 64, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_4);
-    __pyx_t_6 = PyNumber_FloorDivide(__pyx_t_5, __pyx_t_4); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 65, __pyx_L1_error)
+    __pyx_t_6 = PyNumber_FloorDivide(__pyx_t_5, __pyx_t_4); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 64, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_6);
     __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
     __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-    __pyx_t_7 = __Pyx_PyLong_As_int64_t(__pyx_t_6); if (unlikely((__pyx_t_7 == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 65, __pyx_L1_error)
+    __pyx_t_7 = __Pyx_PyLong_As_int64_t(__pyx_t_6); if (unlikely((__pyx_t_7 == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 64, __pyx_L1_error)
     __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
     (__pyx_v_dst[__pyx_v_axis]) = __pyx_t_7;
 
   }
 
 
-  /* "fastattn/_cpu/_forward.pyx":62
+  /* "fastattn/_cpu/_forward.pyx":61
  * 
  * 
  * cdef void _strides(int64_t* dst, array, int count):             # <<<<<<<<<<<<<<
@@ -3002,12 +3002,12 @@ static void __pyx_f_8fastattn_4_cpu_8_forward__strides(int64_t *__pyx_v_dst, PyO
   __Pyx_RefNannyFinishContext();
 }
 
-/* "fastattn/_cpu/_forward.pyx":68
+/* "fastattn/_cpu/_forward.pyx":67
  * 
  * 
  * def forward(q, k, v, out, lse, *, double scale, double softcap, bint causal, int64_t offset,             # <<<<<<<<<<<<<<
  *             int64_t window_left, int64_t window_right, mask, key_lengths,
- *             int64_t block_queries, int64_t key_tile, int64_t splits):
+ *             int64_t block_queries, int64_t key_tile, int64_t splits, int threads):
 */
 
 /* Python wrapper */
@@ -3018,7 +3018,7 @@ PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
 PyObject *__pyx_args, PyObject *__pyx_kwds
 #endif
 ); /*proto*/
-PyDoc_STRVAR(__pyx_doc_8fastattn_4_cpu_8_forward_forward, "Run the flash forward on (B, H, S, D)-ordered numpy arrays, writing ``out`` and ``lse``.\n\n    Parameters\n    ----------\n    q, k, v : numpy.ndarray\n        (B, Hq, Sq, D), (B, Hkv, Sk, D), (B, Hkv, Sk, Dv); one dtype among float32, float64,\n        float16, bfloat16; any strides with a contiguous last axis.\n    out : numpy.ndarray\n        (B, Hq, Sq, Dv) of q\047s dtype, written.\n    lse : numpy.ndarray\n        C-contiguous (B, Hq, Sq) float32 (float64 for float64 inputs), written.\n    scale, softcap : float\n        Score multiplier; softcap 0 means none.\n    causal : bool\n        Hide keys right of the query\047s position ``i + offset``.\n    offset : int\n        Key position of query 0 (``Sk - Sq`` for bottom-right alignment, else 0).\n    window_left, window_right : int\n        Sliding window sides, -1 for unbounded.\n    mask : numpy.ndarray or None\n        Four-axis (B|1, Hq|1, Sq|1, Sk|1) bool or float array, read by strides.\n    key_lengths : numpy.ndarray or None\n        C-contiguous int64 (B,).\n    block_queries, key_tile, splits : int\n        Query positions per work item, keys per tile, key splits per item (decode).\n    ");
+PyDoc_STRVAR(__pyx_doc_8fastattn_4_cpu_8_forward_forward, "Run the flash forward on (B, H, S, D)-ordered numpy arrays, writing ``out`` and ``lse``.\n\n    Parameters\n    ----------\n    q, k, v : numpy.ndarray\n        (B, Hq, Sq, D), (B, Hkv, Sk, D), (B, Hkv, Sk, Dv); one dtype among float32, float64,\n        float16, bfloat16; any strides with a contiguous last axis.\n    out : numpy.ndarray\n        (B, Hq, Sq, Dv) of q\047s dtype, written.\n    lse : numpy.ndarray\n        C-contiguous (B, Hq, Sq) float32 (float64 for float64 inputs), written.\n    scale, softcap : float\n        Score multiplier; softcap 0 means none.\n    causal : bool\n        Hide keys right of the query\047s position ``i + offset``.\n    offset : int\n        Key position of query 0 (``Sk - Sq`` for bottom-right alignment, else 0).\n    window_left, window_right : int\n        Sliding window sides, -1 for unbounded.\n    mask : numpy.ndarray or None\n        Four-axis (B|1, Hq|1, Sq|1, Sk|1) bool or float array, read by strides.\n    key_lengths : numpy.ndarray or None\n        C-contiguous int64 (B,).\n    block_queries, key_tile, splits : int\n        Query positions per work item, keys per tile, key splits per item (decode).\n    threads : int\n        OpenMP threads for the parallel regions (capped at the number of work items).\n    ");
 static PyMethodDef __pyx_mdef_8fastattn_4_cpu_8_forward_1forward = {"forward", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_8fastattn_4_cpu_8_forward_1forward, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_8fastattn_4_cpu_8_forward_forward};
 static PyObject *__pyx_pw_8fastattn_4_cpu_8_forward_1forward(PyObject *__pyx_self, 
 #if CYTHON_VECTORCALL
@@ -3043,11 +3043,12 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   int64_t __pyx_v_block_queries;
   int64_t __pyx_v_key_tile;
   int64_t __pyx_v_splits;
+  int __pyx_v_threads;
   #if !CYTHON_VECTORCALL
   CYTHON_UNUSED Py_ssize_t __pyx_nargs;
   #endif
   CYTHON_UNUSED PyObject *const *__pyx_kwvalues;
-  PyObject* values[16] = {0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0};
+  PyObject* values[17] = {0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0};
   int __pyx_lineno = 0;
   const char *__pyx_filename = NULL;
   int __pyx_clineno = 0;
@@ -3063,67 +3064,68 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   #endif
   __pyx_kwvalues = __Pyx_KwValues_FASTCALL(__pyx_args, __pyx_nargs);
   {
-    PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_q,&__pyx_mstate_global->__pyx_n_u_k,&__pyx_mstate_global->__pyx_n_u_v,&__pyx_mstate_global->__pyx_n_u_out,&__pyx_mstate_global->__pyx_n_u_lse,&__pyx_mstate_global->__pyx_n_u_scale,&__pyx_mstate_global->__pyx_n_u_softcap,&__pyx_mstate_global->__pyx_n_u_causal,&__pyx_mstate_global->__pyx_n_u_offset,&__pyx_mstate_global->__pyx_n_u_window_left,&__pyx_mstate_global->__pyx_n_u_window_right,&__pyx_mstate_global->__pyx_n_u_mask,&__pyx_mstate_global->__pyx_n_u_key_lengths,&__pyx_mstate_global->__pyx_n_u_block_queries,&__pyx_mstate_global->__pyx_n_u_key_tile,&__pyx_mstate_global->__pyx_n_u_splits,0};
+    PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_q,&__pyx_mstate_global->__pyx_n_u_k,&__pyx_mstate_global->__pyx_n_u_v,&__pyx_mstate_global->__pyx_n_u_out,&__pyx_mstate_global->__pyx_n_u_lse,&__pyx_mstate_global->__pyx_n_u_scale,&__pyx_mstate_global->__pyx_n_u_softcap,&__pyx_mstate_global->__pyx_n_u_causal,&__pyx_mstate_global->__pyx_n_u_offset,&__pyx_mstate_global->__pyx_n_u_window_left,&__pyx_mstate_global->__pyx_n_u_window_right,&__pyx_mstate_global->__pyx_n_u_mask,&__pyx_mstate_global->__pyx_n_u_key_lengths,&__pyx_mstate_global->__pyx_n_u_block_queries,&__pyx_mstate_global->__pyx_n_u_key_tile,&__pyx_mstate_global->__pyx_n_u_splits,&__pyx_mstate_global->__pyx_n_u_threads,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 68, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 67, __pyx_L3_error)
     if (likely(__pyx_kwds_len > 0)) {
       switch (__pyx_nargs) {
         case  5:
         values[4] = __Pyx_ArgRef_FASTCALL(__pyx_args, 4);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 68, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 67, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  4:
         values[3] = __Pyx_ArgRef_FASTCALL(__pyx_args, 3);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 68, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 67, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  3:
         values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 68, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 67, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 68, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 67, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 68, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 67, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "forward", 0) < (0)) __PYX_ERR(0, 68, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "forward", 0) < (0)) __PYX_ERR(0, 67, __pyx_L3_error)
       for (Py_ssize_t i = __pyx_nargs; i < 5; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("forward", 1, 5, 5, i); __PYX_ERR(0, 68, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("forward", 1, 5, 5, i); __PYX_ERR(0, 67, __pyx_L3_error) }
       }
-      for (Py_ssize_t i = 5; i < 16; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseKeywordRequired("forward", *(__pyx_pyargnames[i - 0])); __PYX_ERR(0, 68, __pyx_L3_error) }
+      for (Py_ssize_t i = 5; i < 17; i++) {
+        if (unlikely(!values[i])) { __Pyx_RaiseKeywordRequired("forward", *(__pyx_pyargnames[i - 0])); __PYX_ERR(0, 67, __pyx_L3_error) }
       }
     } else if (unlikely(__pyx_nargs != 5)) {
       goto __pyx_L5_argtuple_error;
     } else {
-      __Pyx_RaiseKeywordRequired("forward", __pyx_mstate_global->__pyx_n_u_scale); __PYX_ERR(0, 68, __pyx_L3_error)
+      __Pyx_RaiseKeywordRequired("forward", __pyx_mstate_global->__pyx_n_u_scale); __PYX_ERR(0, 67, __pyx_L3_error)
     }
     __pyx_v_q = values[0];
     __pyx_v_k = values[1];
     __pyx_v_v = values[2];
     __pyx_v_out = values[3];
     __pyx_v_lse = values[4];
-    __pyx_v_scale = __Pyx_PyFloat_AsDouble(values[5]); if (unlikely((__pyx_v_scale == (double)-1) && PyErr_Occurred())) __PYX_ERR(0, 68, __pyx_L3_error)
-    __pyx_v_softcap = __Pyx_PyFloat_AsDouble(values[6]); if (unlikely((__pyx_v_softcap == (double)-1) && PyErr_Occurred())) __PYX_ERR(0, 68, __pyx_L3_error)
-    __pyx_v_causal = __Pyx_PyObject_IsTrue(values[7]); if (unlikely((__pyx_v_causal == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 68, __pyx_L3_error)
-    __pyx_v_offset = __Pyx_PyLong_As_int64_t(values[8]); if (unlikely((__pyx_v_offset == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 68, __pyx_L3_error)
-    __pyx_v_window_left = __Pyx_PyLong_As_int64_t(values[9]); if (unlikely((__pyx_v_window_left == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 69, __pyx_L3_error)
-    __pyx_v_window_right = __Pyx_PyLong_As_int64_t(values[10]); if (unlikely((__pyx_v_window_right == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 69, __pyx_L3_error)
+    __pyx_v_scale = __Pyx_PyFloat_AsDouble(values[5]); if (unlikely((__pyx_v_scale == (double)-1) && PyErr_Occurred())) __PYX_ERR(0, 67, __pyx_L3_error)
+    __pyx_v_softcap = __Pyx_PyFloat_AsDouble(values[6]); if (unlikely((__pyx_v_softcap == (double)-1) && PyErr_Occurred())) __PYX_ERR(0, 67, __pyx_L3_error)
+    __pyx_v_causal = __Pyx_PyObject_IsTrue(values[7]); if (unlikely((__pyx_v_causal == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 67, __pyx_L3_error)
+    __pyx_v_offset = __Pyx_PyLong_As_int64_t(values[8]); if (unlikely((__pyx_v_offset == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 67, __pyx_L3_error)
+    __pyx_v_window_left = __Pyx_PyLong_As_int64_t(values[9]); if (unlikely((__pyx_v_window_left == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 68, __pyx_L3_error)
+    __pyx_v_window_right = __Pyx_PyLong_As_int64_t(values[10]); if (unlikely((__pyx_v_window_right == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 68, __pyx_L3_error)
     __pyx_v_mask = values[11];
     __pyx_v_key_lengths = values[12];
-    __pyx_v_block_queries = __Pyx_PyLong_As_int64_t(values[13]); if (unlikely((__pyx_v_block_queries == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 70, __pyx_L3_error)
-    __pyx_v_key_tile = __Pyx_PyLong_As_int64_t(values[14]); if (unlikely((__pyx_v_key_tile == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 70, __pyx_L3_error)
-    __pyx_v_splits = __Pyx_PyLong_As_int64_t(values[15]); if (unlikely((__pyx_v_splits == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 70, __pyx_L3_error)
+    __pyx_v_block_queries = __Pyx_PyLong_As_int64_t(values[13]); if (unlikely((__pyx_v_block_queries == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 69, __pyx_L3_error)
+    __pyx_v_key_tile = __Pyx_PyLong_As_int64_t(values[14]); if (unlikely((__pyx_v_key_tile == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 69, __pyx_L3_error)
+    __pyx_v_splits = __Pyx_PyLong_As_int64_t(values[15]); if (unlikely((__pyx_v_splits == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 69, __pyx_L3_error)
+    __pyx_v_threads = __Pyx_PyLong_As_int(values[16]); if (unlikely((__pyx_v_threads == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 69, __pyx_L3_error)
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("forward", 1, 5, 5, __pyx_nargs); __PYX_ERR(0, 68, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("forward", 1, 5, 5, __pyx_nargs); __PYX_ERR(0, 67, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -3134,7 +3136,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   __Pyx_RefNannyFinishContext();
   return NULL;
   __pyx_L4_argument_unpacking_done:;
-  __pyx_r = __pyx_pf_8fastattn_4_cpu_8_forward_forward(__pyx_self, __pyx_v_q, __pyx_v_k, __pyx_v_v, __pyx_v_out, __pyx_v_lse, __pyx_v_scale, __pyx_v_softcap, __pyx_v_causal, __pyx_v_offset, __pyx_v_window_left, __pyx_v_window_right, __pyx_v_mask, __pyx_v_key_lengths, __pyx_v_block_queries, __pyx_v_key_tile, __pyx_v_splits);
+  __pyx_r = __pyx_pf_8fastattn_4_cpu_8_forward_forward(__pyx_self, __pyx_v_q, __pyx_v_k, __pyx_v_v, __pyx_v_out, __pyx_v_lse, __pyx_v_scale, __pyx_v_softcap, __pyx_v_causal, __pyx_v_offset, __pyx_v_window_left, __pyx_v_window_right, __pyx_v_mask, __pyx_v_key_lengths, __pyx_v_block_queries, __pyx_v_key_tile, __pyx_v_splits, __pyx_v_threads);
 
   /* function exit code */
   for (Py_ssize_t __pyx_temp=0; __pyx_temp < (Py_ssize_t)(sizeof(values)/sizeof(values[0])); ++__pyx_temp) {
@@ -3149,16 +3151,16 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
 
 
 
+
   __Pyx_RefNannyFinishContext();
   return __pyx_r;
 }
 
-static PyObject *__pyx_pf_8fastattn_4_cpu_8_forward_forward(CYTHON_UNUSED PyObject *__pyx_self, PyObject *__pyx_v_q, PyObject *__pyx_v_k, PyObject *__pyx_v_v, PyObject *__pyx_v_out, PyObject *__pyx_v_lse, double __pyx_v_scale, double __pyx_v_softcap, int __pyx_v_causal, int64_t __pyx_v_offset, int64_t __pyx_v_window_left, int64_t __pyx_v_window_right, PyObject *__pyx_v_mask, PyObject *__pyx_v_key_lengths, int64_t __pyx_v_block_queries, int64_t __pyx_v_key_tile, int64_t __pyx_v_splits) {
+static PyObject *__pyx_pf_8fastattn_4_cpu_8_forward_forward(CYTHON_UNUSED PyObject *__pyx_self, PyObject *__pyx_v_q, PyObject *__pyx_v_k, PyObject *__pyx_v_v, PyObject *__pyx_v_out, PyObject *__pyx_v_lse, double __pyx_v_scale, double __pyx_v_softcap, int __pyx_v_causal, int64_t __pyx_v_offset, int64_t __pyx_v_window_left, int64_t __pyx_v_window_right, PyObject *__pyx_v_mask, PyObject *__pyx_v_key_lengths, int64_t __pyx_v_block_queries, int64_t __pyx_v_key_tile, int64_t __pyx_v_splits, int __pyx_v_threads) {
   struct fastattn::FwdParams __pyx_v_p;
   int64_t __pyx_v_items;
   int64_t __pyx_v_index;
   int64_t __pyx_v_combines;
-  int __pyx_v_threads;
   int __pyx_v_axis;
   char *__pyx_v_scratch;
   size_t __pyx_v_scratch_bytes;
@@ -3188,114 +3190,115 @@ static PyObject *__pyx_pf_8fastattn_4_cpu_8_forward_forward(CYTHON_UNUSED PyObje
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("forward", 0);
 
-  /* "fastattn/_cpu/_forward.pyx":102
+
+  /* "fastattn/_cpu/_forward.pyx":103
  *     cdef char* scratch
  *     cdef size_t scratch_bytes
  *     p.q = <const char*> _address(q)             # <<<<<<<<<<<<<<
  *     p.k = <const char*> _address(k)
  *     p.v = <const char*> _address(v)
 */
-  __pyx_t_1 = __pyx_f_8fastattn_4_cpu_8_forward__address(__pyx_v_q); if (unlikely(__pyx_t_1 == ((size_t)-1L) && PyErr_Occurred())) __PYX_ERR(0, 102, __pyx_L1_error)
+  __pyx_t_1 = __pyx_f_8fastattn_4_cpu_8_forward__address(__pyx_v_q); if (unlikely(__pyx_t_1 == ((size_t)-1L) && PyErr_Occurred())) __PYX_ERR(0, 103, __pyx_L1_error)
   __pyx_v_p.q = ((char const *)__pyx_t_1);
 
 
-  /* "fastattn/_cpu/_forward.pyx":103
+  /* "fastattn/_cpu/_forward.pyx":104
  *     cdef size_t scratch_bytes
  *     p.q = <const char*> _address(q)
  *     p.k = <const char*> _address(k)             # <<<<<<<<<<<<<<
  *     p.v = <const char*> _address(v)
  *     p.out = <char*> _address(out)
 */
-  __pyx_t_1 = __pyx_f_8fastattn_4_cpu_8_forward__address(__pyx_v_k); if (unlikely(__pyx_t_1 == ((size_t)-1L) && PyErr_Occurred())) __PYX_ERR(0, 103, __pyx_L1_error)
+  __pyx_t_1 = __pyx_f_8fastattn_4_cpu_8_forward__address(__pyx_v_k); if (unlikely(__pyx_t_1 == ((size_t)-1L) && PyErr_Occurred())) __PYX_ERR(0, 104, __pyx_L1_error)
   __pyx_v_p.k = ((char const *)__pyx_t_1);
 
 
-  /* "fastattn/_cpu/_forward.pyx":104
+  /* "fastattn/_cpu/_forward.pyx":105
  *     p.q = <const char*> _address(q)
  *     p.k = <const char*> _address(k)
  *     p.v = <const char*> _address(v)             # <<<<<<<<<<<<<<
  *     p.out = <char*> _address(out)
  *     p.lse = <char*> _address(lse)
 */
-  __pyx_t_1 = __pyx_f_8fastattn_4_cpu_8_forward__address(__pyx_v_v); if (unlikely(__pyx_t_1 == ((size_t)-1L) && PyErr_Occurred())) __PYX_ERR(0, 104, __pyx_L1_error)
+  __pyx_t_1 = __pyx_f_8fastattn_4_cpu_8_forward__address(__pyx_v_v); if (unlikely(__pyx_t_1 == ((size_t)-1L) && PyErr_Occurred())) __PYX_ERR(0, 105, __pyx_L1_error)
   __pyx_v_p.v = ((char const *)__pyx_t_1);
 
 
-  /* "fastattn/_cpu/_forward.pyx":105
+  /* "fastattn/_cpu/_forward.pyx":106
  *     p.k = <const char*> _address(k)
  *     p.v = <const char*> _address(v)
  *     p.out = <char*> _address(out)             # <<<<<<<<<<<<<<
  *     p.lse = <char*> _address(lse)
  *     _strides(p.q_stride, q, 3)
 */
-  __pyx_t_1 = __pyx_f_8fastattn_4_cpu_8_forward__address(__pyx_v_out); if (unlikely(__pyx_t_1 == ((size_t)-1L) && PyErr_Occurred())) __PYX_ERR(0, 105, __pyx_L1_error)
+  __pyx_t_1 = __pyx_f_8fastattn_4_cpu_8_forward__address(__pyx_v_out); if (unlikely(__pyx_t_1 == ((size_t)-1L) && PyErr_Occurred())) __PYX_ERR(0, 106, __pyx_L1_error)
   __pyx_v_p.out = ((char *)__pyx_t_1);
 
 
-  /* "fastattn/_cpu/_forward.pyx":106
+  /* "fastattn/_cpu/_forward.pyx":107
  *     p.v = <const char*> _address(v)
  *     p.out = <char*> _address(out)
  *     p.lse = <char*> _address(lse)             # <<<<<<<<<<<<<<
  *     _strides(p.q_stride, q, 3)
  *     _strides(p.k_stride, k, 3)
 */
-  __pyx_t_1 = __pyx_f_8fastattn_4_cpu_8_forward__address(__pyx_v_lse); if (unlikely(__pyx_t_1 == ((size_t)-1L) && PyErr_Occurred())) __PYX_ERR(0, 106, __pyx_L1_error)
+  __pyx_t_1 = __pyx_f_8fastattn_4_cpu_8_forward__address(__pyx_v_lse); if (unlikely(__pyx_t_1 == ((size_t)-1L) && PyErr_Occurred())) __PYX_ERR(0, 107, __pyx_L1_error)
   __pyx_v_p.lse = ((char *)__pyx_t_1);
 
 
-  /* "fastattn/_cpu/_forward.pyx":107
+  /* "fastattn/_cpu/_forward.pyx":108
  *     p.out = <char*> _address(out)
  *     p.lse = <char*> _address(lse)
  *     _strides(p.q_stride, q, 3)             # <<<<<<<<<<<<<<
  *     _strides(p.k_stride, k, 3)
  *     _strides(p.v_stride, v, 3)
 */
-  __pyx_f_8fastattn_4_cpu_8_forward__strides(__pyx_v_p.q_stride, __pyx_v_q, 3); if (unlikely(PyErr_Occurred())) __PYX_ERR(0, 107, __pyx_L1_error)
+  __pyx_f_8fastattn_4_cpu_8_forward__strides(__pyx_v_p.q_stride, __pyx_v_q, 3); if (unlikely(PyErr_Occurred())) __PYX_ERR(0, 108, __pyx_L1_error)
 
-  /* "fastattn/_cpu/_forward.pyx":108
+  /* "fastattn/_cpu/_forward.pyx":109
  *     p.lse = <char*> _address(lse)
  *     _strides(p.q_stride, q, 3)
  *     _strides(p.k_stride, k, 3)             # <<<<<<<<<<<<<<
  *     _strides(p.v_stride, v, 3)
  *     _strides(p.out_stride, out, 3)
 */
-  __pyx_f_8fastattn_4_cpu_8_forward__strides(__pyx_v_p.k_stride, __pyx_v_k, 3); if (unlikely(PyErr_Occurred())) __PYX_ERR(0, 108, __pyx_L1_error)
+  __pyx_f_8fastattn_4_cpu_8_forward__strides(__pyx_v_p.k_stride, __pyx_v_k, 3); if (unlikely(PyErr_Occurred())) __PYX_ERR(0, 109, __pyx_L1_error)
 
-  /* "fastattn/_cpu/_forward.pyx":109
+  /* "fastattn/_cpu/_forward.pyx":110
  *     _strides(p.q_stride, q, 3)
  *     _strides(p.k_stride, k, 3)
  *     _strides(p.v_stride, v, 3)             # <<<<<<<<<<<<<<
  *     _strides(p.out_stride, out, 3)
  *     _strides(p.lse_stride, lse, 3)
 */
-  __pyx_f_8fastattn_4_cpu_8_forward__strides(__pyx_v_p.v_stride, __pyx_v_v, 3); if (unlikely(PyErr_Occurred())) __PYX_ERR(0, 109, __pyx_L1_error)
+  __pyx_f_8fastattn_4_cpu_8_forward__strides(__pyx_v_p.v_stride, __pyx_v_v, 3); if (unlikely(PyErr_Occurred())) __PYX_ERR(0, 110, __pyx_L1_error)
 
-  /* "fastattn/_cpu/_forward.pyx":110
+  /* "fastattn/_cpu/_forward.pyx":111
  *     _strides(p.k_stride, k, 3)
  *     _strides(p.v_stride, v, 3)
  *     _strides(p.out_stride, out, 3)             # <<<<<<<<<<<<<<
  *     _strides(p.lse_stride, lse, 3)
  *     p.batch, p.heads_q, p.seq_q, p.head_dim = q.shape
 */
-  __pyx_f_8fastattn_4_cpu_8_forward__strides(__pyx_v_p.out_stride, __pyx_v_out, 3); if (unlikely(PyErr_Occurred())) __PYX_ERR(0, 110, __pyx_L1_error)
+  __pyx_f_8fastattn_4_cpu_8_forward__strides(__pyx_v_p.out_stride, __pyx_v_out, 3); if (unlikely(PyErr_Occurred())) __PYX_ERR(0, 111, __pyx_L1_error)
 
-  /* "fastattn/_cpu/_forward.pyx":111
+  /* "fastattn/_cpu/_forward.pyx":112
  *     _strides(p.v_stride, v, 3)
  *     _strides(p.out_stride, out, 3)
  *     _strides(p.lse_stride, lse, 3)             # <<<<<<<<<<<<<<
  *     p.batch, p.heads_q, p.seq_q, p.head_dim = q.shape
  *     p.heads_kv, p.seq_k = k.shape[1], k.shape[2]
 */
-  __pyx_f_8fastattn_4_cpu_8_forward__strides(__pyx_v_p.lse_stride, __pyx_v_lse, 3); if (unlikely(PyErr_Occurred())) __PYX_ERR(0, 111, __pyx_L1_error)
+  __pyx_f_8fastattn_4_cpu_8_forward__strides(__pyx_v_p.lse_stride, __pyx_v_lse, 3); if (unlikely(PyErr_Occurred())) __PYX_ERR(0, 112, __pyx_L1_error)
 
-  /* "fastattn/_cpu/_forward.pyx":112
+  /* "fastattn/_cpu/_forward.pyx":113
  *     _strides(p.out_stride, out, 3)
  *     _strides(p.lse_stride, lse, 3)
  *     p.batch, p.heads_q, p.seq_q, p.head_dim = q.shape             # <<<<<<<<<<<<<<
  *     p.heads_kv, p.seq_k = k.shape[1], k.shape[2]
  *     p.head_dim_v = v.shape[3]
 */
-  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_q, __pyx_mstate_global->__pyx_n_u_shape); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 112, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_q, __pyx_mstate_global->__pyx_n_u_shape); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 113, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   if ((likely(PyTuple_CheckExact(__pyx_t_2))) || (PyList_CheckExact(__pyx_t_2))) {
     PyObject* sequence = __pyx_t_2;
@@ -3303,7 +3306,7 @@ static PyObject *__pyx_pf_8fastattn_4_cpu_8_forward_forward(CYTHON_UNUSED PyObje
     if (unlikely(size != 4)) {
       if (size > 4) __Pyx_RaiseTooManyValuesError(4);
       else if (size >= 0) __Pyx_RaiseNeedMoreValuesError(size);
-      __PYX_ERR(0, 112, __pyx_L1_error)
+      __PYX_ERR(0, 113, __pyx_L1_error)
     }
     #if CYTHON_ASSUME_SAFE_MACROS && !CYTHON_AVOID_BORROWED_REFS
     if (likely(PyTuple_CheckExact(sequence))) {
@@ -3317,16 +3320,16 @@ static PyObject *__pyx_pf_8fastattn_4_cpu_8_forward_forward(CYTHON_UNUSED PyObje
       __Pyx_INCREF(__pyx_t_6);
     } else {
       __pyx_t_3 = __Pyx_PyList_GET_ITEM_REF(sequence, 0, __Pyx_ReferenceSharing_SharedReference);
-      if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 112, __pyx_L1_error)
+      if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 113, __pyx_L1_error)
       __Pyx_XGOTREF(__pyx_t_3);
       __pyx_t_4 = __Pyx_PyList_GET_ITEM_REF(sequence, 1, __Pyx_ReferenceSharing_SharedReference);
-      if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 112, __pyx_L1_error)
+      if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 113, __pyx_L1_error)
       __Pyx_XGOTREF(__pyx_t_4);
       __pyx_t_5 = __Pyx_PyList_GET_ITEM_REF(sequence, 2, __Pyx_ReferenceSharing_SharedReference);
-      if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 112, __pyx_L1_error)
+      if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 113, __pyx_L1_error)
       __Pyx_XGOTREF(__pyx_t_5);
       __pyx_t_6 = __Pyx_PyList_GET_ITEM_REF(sequence, 3, __Pyx_ReferenceSharing_SharedReference);
-      if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 112, __pyx_L1_error)
+      if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 113, __pyx_L1_error)
       __Pyx_XGOTREF(__pyx_t_6);
     }
     #else
@@ -3334,7 +3337,7 @@ static PyObject *__pyx_pf_8fastattn_4_cpu_8_forward_forward(CYTHON_UNUSED PyObje
       Py_ssize_t i;
       PyObject** temps[4] = {&__pyx_t_3,&__pyx_t_4,&__pyx_t_5,&__pyx_t_6};
       for (i=0; i < 4; i++) {
-        PyObject* item = __Pyx_PySequence_ITEM(sequence, i); if (unlikely(!item)) __PYX_ERR(0, 112, __pyx_L1_error)
+        PyObject* item = __Pyx_PySequence_ITEM(sequence, i); if (unlikely(!item)) __PYX_ERR(0, 113, __pyx_L1_error)
         __Pyx_GOTREF(item);
         *(temps[i]) = item;
       }
@@ -3344,7 +3347,7 @@ static PyObject *__pyx_pf_8fastattn_4_cpu_8_forward_forward(CYTHON_UNUSED PyObje
   } else {
     Py_ssize_t index = -1;
     PyObject** temps[4] = {&__pyx_t_3,&__pyx_t_4,&__pyx_t_5,&__pyx_t_6};
-    __pyx_t_7 = PyObject_GetIter(__pyx_t_2); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 112, __pyx_L1_error)
+    __pyx_t_7 = PyObject_GetIter(__pyx_t_2); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 113, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_7);
     __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
     __pyx_t_8 = (CYTHON_COMPILING_IN_LIMITED_API) ? PyIter_Next : __Pyx_PyObject_GetIterNextFunc(__pyx_t_7);
@@ -3353,7 +3356,7 @@ static PyObject *__pyx_pf_8fastattn_4_cpu_8_forward_forward(CYTHON_UNUSED PyObje
       __Pyx_GOTREF(item);
       *(temps[index]) = item;
     }
-    if (__Pyx_IternextUnpackEndCheck(__pyx_t_8(__pyx_t_7), 4) < (0)) __PYX_ERR(0, 112, __pyx_L1_error)
+    if (__Pyx_IternextUnpackEndCheck(__pyx_t_8(__pyx_t_7), 4) < (0)) __PYX_ERR(0, 113, __pyx_L1_error)
     __pyx_t_8 = NULL;
     __Pyx_DECREF(__pyx_t_7); __pyx_t_7 = 0;
     goto __pyx_L4_unpacking_done;
@@ -3361,63 +3364,63 @@ static PyObject *__pyx_pf_8fastattn_4_cpu_8_forward_forward(CYTHON_UNUSED PyObje
     __Pyx_DECREF(__pyx_t_7); __pyx_t_7 = 0;
     __pyx_t_8 = NULL;
     if (__Pyx_IterFinish() == 0) __Pyx_RaiseNeedMoreValuesError(index);
-    __PYX_ERR(0, 112, __pyx_L1_error)
+    __PYX_ERR(0, 113, __pyx_L1_error)
     __pyx_L4_unpacking_done:;
   }
-  __pyx_t_9 = __Pyx_PyLong_As_int64_t(__pyx_t_3); if (unlikely((__pyx_t_9 == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 112, __pyx_L1_error)
+  __pyx_t_9 = __Pyx_PyLong_As_int64_t(__pyx_t_3); if (unlikely((__pyx_t_9 == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 113, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
-  __pyx_t_10 = __Pyx_PyLong_As_int64_t(__pyx_t_4); if (unlikely((__pyx_t_10 == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 112, __pyx_L1_error)
+  __pyx_t_10 = __Pyx_PyLong_As_int64_t(__pyx_t_4); if (unlikely((__pyx_t_10 == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 113, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-  __pyx_t_11 = __Pyx_PyLong_As_int64_t(__pyx_t_5); if (unlikely((__pyx_t_11 == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 112, __pyx_L1_error)
+  __pyx_t_11 = __Pyx_PyLong_As_int64_t(__pyx_t_5); if (unlikely((__pyx_t_11 == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 113, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
-  __pyx_t_12 = __Pyx_PyLong_As_int64_t(__pyx_t_6); if (unlikely((__pyx_t_12 == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 112, __pyx_L1_error)
+  __pyx_t_12 = __Pyx_PyLong_As_int64_t(__pyx_t_6); if (unlikely((__pyx_t_12 == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 113, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
   __pyx_v_p.batch = __pyx_t_9;
   __pyx_v_p.heads_q = __pyx_t_10;
   __pyx_v_p.seq_q = __pyx_t_11;
   __pyx_v_p.head_dim = __pyx_t_12;
 
-  /* "fastattn/_cpu/_forward.pyx":113
+  /* "fastattn/_cpu/_forward.pyx":114
  *     _strides(p.lse_stride, lse, 3)
  *     p.batch, p.heads_q, p.seq_q, p.head_dim = q.shape
  *     p.heads_kv, p.seq_k = k.shape[1], k.shape[2]             # <<<<<<<<<<<<<<
  *     p.head_dim_v = v.shape[3]
  *     p.group = p.heads_q // p.heads_kv
 */
-  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_k, __pyx_mstate_global->__pyx_n_u_shape); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 113, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_k, __pyx_mstate_global->__pyx_n_u_shape); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 114, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
-  __pyx_t_6 = __Pyx_GetItemInt(__pyx_t_2, 1, long, 1, __Pyx_PyLong_From_long, 0, 0, 1, __Pyx_ReferenceSharing_OwnStrongReference); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 113, __pyx_L1_error)
+  __pyx_t_6 = __Pyx_GetItemInt(__pyx_t_2, 1, long, 1, __Pyx_PyLong_From_long, 0, 0, 1, __Pyx_ReferenceSharing_OwnStrongReference); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 114, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_6);
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
-  __pyx_t_12 = __Pyx_PyLong_As_int64_t(__pyx_t_6); if (unlikely((__pyx_t_12 == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 113, __pyx_L1_error)
+  __pyx_t_12 = __Pyx_PyLong_As_int64_t(__pyx_t_6); if (unlikely((__pyx_t_12 == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 114, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
-  __pyx_t_6 = __Pyx_PyObject_GetAttrStr(__pyx_v_k, __pyx_mstate_global->__pyx_n_u_shape); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 113, __pyx_L1_error)
+  __pyx_t_6 = __Pyx_PyObject_GetAttrStr(__pyx_v_k, __pyx_mstate_global->__pyx_n_u_shape); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 114, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_6);
-  __pyx_t_2 = __Pyx_GetItemInt(__pyx_t_6, 2, long, 1, __Pyx_PyLong_From_long, 0, 0, 1, __Pyx_ReferenceSharing_OwnStrongReference); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 113, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_GetItemInt(__pyx_t_6, 2, long, 1, __Pyx_PyLong_From_long, 0, 0, 1, __Pyx_ReferenceSharing_OwnStrongReference); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 114, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
-  __pyx_t_11 = __Pyx_PyLong_As_int64_t(__pyx_t_2); if (unlikely((__pyx_t_11 == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 113, __pyx_L1_error)
+  __pyx_t_11 = __Pyx_PyLong_As_int64_t(__pyx_t_2); if (unlikely((__pyx_t_11 == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 114, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
   __pyx_v_p.heads_kv = __pyx_t_12;
   __pyx_v_p.seq_k = __pyx_t_11;
 
-  /* "fastattn/_cpu/_forward.pyx":114
+  /* "fastattn/_cpu/_forward.pyx":115
  *     p.batch, p.heads_q, p.seq_q, p.head_dim = q.shape
  *     p.heads_kv, p.seq_k = k.shape[1], k.shape[2]
  *     p.head_dim_v = v.shape[3]             # <<<<<<<<<<<<<<
  *     p.group = p.heads_q // p.heads_kv
  *     p.dtype = _DTYPE_CODES[q.dtype.name]
 */
-  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_v, __pyx_mstate_global->__pyx_n_u_shape); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 114, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_v, __pyx_mstate_global->__pyx_n_u_shape); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 115, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
-  __pyx_t_6 = __Pyx_GetItemInt(__pyx_t_2, 3, long, 1, __Pyx_PyLong_From_long, 0, 0, 1, __Pyx_ReferenceSharing_OwnStrongReference); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 114, __pyx_L1_error)
+  __pyx_t_6 = __Pyx_GetItemInt(__pyx_t_2, 3, long, 1, __Pyx_PyLong_From_long, 0, 0, 1, __Pyx_ReferenceSharing_OwnStrongReference); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 115, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_6);
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
-  __pyx_t_11 = __Pyx_PyLong_As_int64_t(__pyx_t_6); if (unlikely((__pyx_t_11 == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 114, __pyx_L1_error)
+  __pyx_t_11 = __Pyx_PyLong_As_int64_t(__pyx_t_6); if (unlikely((__pyx_t_11 == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 115, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
   __pyx_v_p.head_dim_v = __pyx_t_11;
 
-  /* "fastattn/_cpu/_forward.pyx":115
+  /* "fastattn/_cpu/_forward.pyx":116
  *     p.heads_kv, p.seq_k = k.shape[1], k.shape[2]
  *     p.head_dim_v = v.shape[3]
  *     p.group = p.heads_q // p.heads_kv             # <<<<<<<<<<<<<<
@@ -3426,37 +3429,37 @@ static PyObject *__pyx_pf_8fastattn_4_cpu_8_forward_forward(CYTHON_UNUSED PyObje
 */
   if (unlikely(__pyx_v_p.heads_kv == 0)) {
     PyErr_SetString(PyExc_ZeroDivisionError, "integer division or modulo by zero");
-    __PYX_ERR(0, 115, __pyx_L1_error)
+    __PYX_ERR(0, 116, __pyx_L1_error)
   }
   else if (sizeof(int64_t) == sizeof(long) && (!(((int64_t)-1) > 0)) && unlikely(__pyx_v_p.heads_kv == (int64_t)-1)  && unlikely(__Pyx_UNARY_NEG_WOULD_OVERFLOW(__pyx_v_p.heads_q))) {
     PyErr_SetString(PyExc_OverflowError, "value too large to perform division");
-    __PYX_ERR(0, 115, __pyx_L1_error)
+    __PYX_ERR(0, 116, __pyx_L1_error)
   }
   __pyx_v_p.group = __Pyx_div_int64_t(__pyx_v_p.heads_q, __pyx_v_p.heads_kv, 0);
 
-  /* "fastattn/_cpu/_forward.pyx":116
+  /* "fastattn/_cpu/_forward.pyx":117
  *     p.head_dim_v = v.shape[3]
  *     p.group = p.heads_q // p.heads_kv
  *     p.dtype = _DTYPE_CODES[q.dtype.name]             # <<<<<<<<<<<<<<
  *     p.scale = scale
  *     p.softcap = softcap
 */
-  __Pyx_GetModuleGlobalName(__pyx_t_6, __pyx_mstate_global->__pyx_n_u_DTYPE_CODES); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 116, __pyx_L1_error)
+  __Pyx_GetModuleGlobalName(__pyx_t_6, __pyx_mstate_global->__pyx_n_u_DTYPE_CODES); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 117, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_6);
-  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_q, __pyx_mstate_global->__pyx_n_u_dtype); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 116, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_q, __pyx_mstate_global->__pyx_n_u_dtype); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 117, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
-  __pyx_t_5 = __Pyx_PyObject_GetAttrStr(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_name); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 116, __pyx_L1_error)
+  __pyx_t_5 = __Pyx_PyObject_GetAttrStr(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_name); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 117, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_5);
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
-  __pyx_t_2 = __Pyx_PyObject_GetItem(__pyx_t_6, __pyx_t_5); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 116, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyObject_GetItem(__pyx_t_6, __pyx_t_5); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 117, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
   __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
-  __pyx_t_13 = __Pyx_PyLong_As_int(__pyx_t_2); if (unlikely((__pyx_t_13 == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 116, __pyx_L1_error)
+  __pyx_t_13 = __Pyx_PyLong_As_int(__pyx_t_2); if (unlikely((__pyx_t_13 == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 117, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
   __pyx_v_p.dtype = __pyx_t_13;
 
-  /* "fastattn/_cpu/_forward.pyx":117
+  /* "fastattn/_cpu/_forward.pyx":118
  *     p.group = p.heads_q // p.heads_kv
  *     p.dtype = _DTYPE_CODES[q.dtype.name]
  *     p.scale = scale             # <<<<<<<<<<<<<<
@@ -3465,7 +3468,7 @@ static PyObject *__pyx_pf_8fastattn_4_cpu_8_forward_forward(CYTHON_UNUSED PyObje
 */
   __pyx_v_p.scale = __pyx_v_scale;
 
-  /* "fastattn/_cpu/_forward.pyx":118
+  /* "fastattn/_cpu/_forward.pyx":119
  *     p.dtype = _DTYPE_CODES[q.dtype.name]
  *     p.scale = scale
  *     p.softcap = softcap             # <<<<<<<<<<<<<<
@@ -3474,7 +3477,7 @@ static PyObject *__pyx_pf_8fastattn_4_cpu_8_forward_forward(CYTHON_UNUSED PyObje
 */
   __pyx_v_p.softcap = __pyx_v_softcap;
 
-  /* "fastattn/_cpu/_forward.pyx":119
+  /* "fastattn/_cpu/_forward.pyx":120
  *     p.scale = scale
  *     p.softcap = softcap
  *     p.causal = causal             # <<<<<<<<<<<<<<
@@ -3483,7 +3486,7 @@ static PyObject *__pyx_pf_8fastattn_4_cpu_8_forward_forward(CYTHON_UNUSED PyObje
 */
   __pyx_v_p.causal = __pyx_v_causal;
 
-  /* "fastattn/_cpu/_forward.pyx":120
+  /* "fastattn/_cpu/_forward.pyx":121
  *     p.softcap = softcap
  *     p.causal = causal
  *     p.offset = offset             # <<<<<<<<<<<<<<
@@ -3492,7 +3495,7 @@ static PyObject *__pyx_pf_8fastattn_4_cpu_8_forward_forward(CYTHON_UNUSED PyObje
 */
   __pyx_v_p.offset = __pyx_v_offset;
 
-  /* "fastattn/_cpu/_forward.pyx":121
+  /* "fastattn/_cpu/_forward.pyx":122
  *     p.causal = causal
  *     p.offset = offset
  *     p.window_left = window_left             # <<<<<<<<<<<<<<
@@ -3501,7 +3504,7 @@ static PyObject *__pyx_pf_8fastattn_4_cpu_8_forward_forward(CYTHON_UNUSED PyObje
 */
   __pyx_v_p.window_left = __pyx_v_window_left;
 
-  /* "fastattn/_cpu/_forward.pyx":122
+  /* "fastattn/_cpu/_forward.pyx":123
  *     p.offset = offset
  *     p.window_left = window_left
  *     p.window_right = window_right             # <<<<<<<<<<<<<<
@@ -3510,7 +3513,7 @@ static PyObject *__pyx_pf_8fastattn_4_cpu_8_forward_forward(CYTHON_UNUSED PyObje
 */
   __pyx_v_p.window_right = __pyx_v_window_right;
 
-  /* "fastattn/_cpu/_forward.pyx":123
+  /* "fastattn/_cpu/_forward.pyx":124
  *     p.window_left = window_left
  *     p.window_right = window_right
  *     p.mask = NULL             # <<<<<<<<<<<<<<
@@ -3519,7 +3522,7 @@ static PyObject *__pyx_pf_8fastattn_4_cpu_8_forward_forward(CYTHON_UNUSED PyObje
 */
   __pyx_v_p.mask = NULL;
 
-  /* "fastattn/_cpu/_forward.pyx":124
+  /* "fastattn/_cpu/_forward.pyx":125
  *     p.window_right = window_right
  *     p.mask = NULL
  *     p.mask_kind = 0             # <<<<<<<<<<<<<<
@@ -3528,7 +3531,7 @@ static PyObject *__pyx_pf_8fastattn_4_cpu_8_forward_forward(CYTHON_UNUSED PyObje
 */
   __pyx_v_p.mask_kind = 0;
 
-  /* "fastattn/_cpu/_forward.pyx":125
+  /* "fastattn/_cpu/_forward.pyx":126
  *     p.mask = NULL
  *     p.mask_kind = 0
  *     if mask is not None:             # <<<<<<<<<<<<<<
@@ -3539,49 +3542,49 @@ static PyObject *__pyx_pf_8fastattn_4_cpu_8_forward_forward(CYTHON_UNUSED PyObje
   if (__pyx_t_14) {
 
 
-    /* "fastattn/_cpu/_forward.pyx":126
+    /* "fastattn/_cpu/_forward.pyx":127
  *     p.mask_kind = 0
  *     if mask is not None:
  *         p.mask = <const char*> _address(mask)             # <<<<<<<<<<<<<<
  *         p.mask_kind = _MASK_CODES[mask.dtype.name]
  *         _strides(p.mask_stride, mask, 4)
 */
-    __pyx_t_1 = __pyx_f_8fastattn_4_cpu_8_forward__address(__pyx_v_mask); if (unlikely(__pyx_t_1 == ((size_t)-1L) && PyErr_Occurred())) __PYX_ERR(0, 126, __pyx_L1_error)
+    __pyx_t_1 = __pyx_f_8fastattn_4_cpu_8_forward__address(__pyx_v_mask); if (unlikely(__pyx_t_1 == ((size_t)-1L) && PyErr_Occurred())) __PYX_ERR(0, 127, __pyx_L1_error)
     __pyx_v_p.mask = ((char const *)__pyx_t_1);
 
 
-    /* "fastattn/_cpu/_forward.pyx":127
+    /* "fastattn/_cpu/_forward.pyx":128
  *     if mask is not None:
  *         p.mask = <const char*> _address(mask)
  *         p.mask_kind = _MASK_CODES[mask.dtype.name]             # <<<<<<<<<<<<<<
  *         _strides(p.mask_stride, mask, 4)
  *         for axis in range(4):
 */
-    __Pyx_GetModuleGlobalName(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_MASK_CODES); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 127, __pyx_L1_error)
+    __Pyx_GetModuleGlobalName(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_MASK_CODES); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 128, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_2);
-    __pyx_t_5 = __Pyx_PyObject_GetAttrStr(__pyx_v_mask, __pyx_mstate_global->__pyx_n_u_dtype); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 127, __pyx_L1_error)
+    __pyx_t_5 = __Pyx_PyObject_GetAttrStr(__pyx_v_mask, __pyx_mstate_global->__pyx_n_u_dtype); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 128, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_5);
-    __pyx_t_6 = __Pyx_PyObject_GetAttrStr(__pyx_t_5, __pyx_mstate_global->__pyx_n_u_name); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 127, __pyx_L1_error)
+    __pyx_t_6 = __Pyx_PyObject_GetAttrStr(__pyx_t_5, __pyx_mstate_global->__pyx_n_u_name); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 128, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_6);
     __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
-    __pyx_t_5 = __Pyx_PyObject_GetItem(__pyx_t_2, __pyx_t_6); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 127, __pyx_L1_error)
+    __pyx_t_5 = __Pyx_PyObject_GetItem(__pyx_t_2, __pyx_t_6); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 128, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_5);
     __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
     __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
-    __pyx_t_13 = __Pyx_PyLong_As_int(__pyx_t_5); if (unlikely((__pyx_t_13 == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 127, __pyx_L1_error)
+    __pyx_t_13 = __Pyx_PyLong_As_int(__pyx_t_5); if (unlikely((__pyx_t_13 == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 128, __pyx_L1_error)
     __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
     __pyx_v_p.mask_kind = __pyx_t_13;
 
-    /* "fastattn/_cpu/_forward.pyx":128
+    /* "fastattn/_cpu/_forward.pyx":129
  *         p.mask = <const char*> _address(mask)
  *         p.mask_kind = _MASK_CODES[mask.dtype.name]
  *         _strides(p.mask_stride, mask, 4)             # <<<<<<<<<<<<<<
  *         for axis in range(4):
  *             if mask.shape[axis] == 1:
 */
-    __pyx_f_8fastattn_4_cpu_8_forward__strides(__pyx_v_p.mask_stride, __pyx_v_mask, 4); if (unlikely(PyErr_Occurred())) __PYX_ERR(0, 128, __pyx_L1_error)
+    __pyx_f_8fastattn_4_cpu_8_forward__strides(__pyx_v_p.mask_stride, __pyx_v_mask, 4); if (unlikely(PyErr_Occurred())) __PYX_ERR(0, 129, __pyx_L1_error)
 
-    /* "fastattn/_cpu/_forward.pyx":129
+    /* "fastattn/_cpu/_forward.pyx":130
  *         p.mask_kind = _MASK_CODES[mask.dtype.name]
  *         _strides(p.mask_stride, mask, 4)
  *         for axis in range(4):             # <<<<<<<<<<<<<<
@@ -3591,24 +3594,24 @@ static PyObject *__pyx_pf_8fastattn_4_cpu_8_forward_forward(CYTHON_UNUSED PyObje
     for (__pyx_t_13 = 0; __pyx_t_13 < 4; __pyx_t_13+=1) {
       __pyx_v_axis = __pyx_t_13;
 
-      /* "fastattn/_cpu/_forward.pyx":130
+      /* "fastattn/_cpu/_forward.pyx":131
  *         _strides(p.mask_stride, mask, 4)
  *         for axis in range(4):
  *             if mask.shape[axis] == 1:             # <<<<<<<<<<<<<<
  *                 p.mask_stride[axis] = 0
  *     p.key_lengths = NULL
 */
-      __pyx_t_5 = __Pyx_PyObject_GetAttrStr(__pyx_v_mask, __pyx_mstate_global->__pyx_n_u_shape); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 130, __pyx_L1_error)
+      __pyx_t_5 = __Pyx_PyObject_GetAttrStr(__pyx_v_mask, __pyx_mstate_global->__pyx_n_u_shape); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 131, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_5);
-      __pyx_t_6 = __Pyx_GetItemInt(__pyx_t_5, __pyx_v_axis, int, 1, __Pyx_PyLong_From_int, 0, 0, 1, __Pyx_ReferenceSharing_OwnStrongReference); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 130, __pyx_L1_error)
+      __pyx_t_6 = __Pyx_GetItemInt(__pyx_t_5, __pyx_v_axis, int, 1, __Pyx_PyLong_From_int, 0, 0, 1, __Pyx_ReferenceSharing_OwnStrongReference); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 131, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_6);
       __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
-      __pyx_t_14 = (__Pyx_PyLong_BoolEqObjC(__pyx_t_6, __pyx_mstate_global->__pyx_int_1, 1, 0)); if (unlikely((__pyx_t_14 < 0))) __PYX_ERR(0, 130, __pyx_L1_error)
+      __pyx_t_14 = (__Pyx_PyLong_BoolEqObjC(__pyx_t_6, __pyx_mstate_global->__pyx_int_1, 1, 0)); if (unlikely((__pyx_t_14 < 0))) __PYX_ERR(0, 131, __pyx_L1_error)
       __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
       if (__pyx_t_14) {
 
 
-        /* "fastattn/_cpu/_forward.pyx":131
+        /* "fastattn/_cpu/_forward.pyx":132
  *         for axis in range(4):
  *             if mask.shape[axis] == 1:
  *                 p.mask_stride[axis] = 0             # <<<<<<<<<<<<<<
@@ -3617,7 +3620,7 @@ static PyObject *__pyx_pf_8fastattn_4_cpu_8_forward_forward(CYTHON_UNUSED PyObje
 */
         (__pyx_v_p.mask_stride[__pyx_v_axis]) = 0;
 
-        /* "fastattn/_cpu/_forward.pyx":130
+        /* "fastattn/_cpu/_forward.pyx":131
  *         _strides(p.mask_stride, mask, 4)
  *         for axis in range(4):
  *             if mask.shape[axis] == 1:             # <<<<<<<<<<<<<<
@@ -3627,7 +3630,7 @@ static PyObject *__pyx_pf_8fastattn_4_cpu_8_forward_forward(CYTHON_UNUSED PyObje
       }
     }
 
-    /* "fastattn/_cpu/_forward.pyx":125
+    /* "fastattn/_cpu/_forward.pyx":126
  *     p.mask = NULL
  *     p.mask_kind = 0
  *     if mask is not None:             # <<<<<<<<<<<<<<
@@ -3636,7 +3639,7 @@ static PyObject *__pyx_pf_8fastattn_4_cpu_8_forward_forward(CYTHON_UNUSED PyObje
 */
   }
 
-  /* "fastattn/_cpu/_forward.pyx":132
+  /* "fastattn/_cpu/_forward.pyx":133
  *             if mask.shape[axis] == 1:
  *                 p.mask_stride[axis] = 0
  *     p.key_lengths = NULL             # <<<<<<<<<<<<<<
@@ -3645,7 +3648,7 @@ static PyObject *__pyx_pf_8fastattn_4_cpu_8_forward_forward(CYTHON_UNUSED PyObje
 */
   __pyx_v_p.key_lengths = NULL;
 
-  /* "fastattn/_cpu/_forward.pyx":133
+  /* "fastattn/_cpu/_forward.pyx":134
  *                 p.mask_stride[axis] = 0
  *     p.key_lengths = NULL
  *     if key_lengths is not None:             # <<<<<<<<<<<<<<
@@ -3656,18 +3659,18 @@ static PyObject *__pyx_pf_8fastattn_4_cpu_8_forward_forward(CYTHON_UNUSED PyObje
   if (__pyx_t_14) {
 
 
-    /* "fastattn/_cpu/_forward.pyx":134
+    /* "fastattn/_cpu/_forward.pyx":135
  *     p.key_lengths = NULL
  *     if key_lengths is not None:
  *         p.key_lengths = <const int64_t*> _address(key_lengths)             # <<<<<<<<<<<<<<
  *     p.block_queries = block_queries
  *     p.query_blocks = (p.seq_q + block_queries - 1) // block_queries
 */
-    __pyx_t_1 = __pyx_f_8fastattn_4_cpu_8_forward__address(__pyx_v_key_lengths); if (unlikely(__pyx_t_1 == ((size_t)-1L) && PyErr_Occurred())) __PYX_ERR(0, 134, __pyx_L1_error)
+    __pyx_t_1 = __pyx_f_8fastattn_4_cpu_8_forward__address(__pyx_v_key_lengths); if (unlikely(__pyx_t_1 == ((size_t)-1L) && PyErr_Occurred())) __PYX_ERR(0, 135, __pyx_L1_error)
     __pyx_v_p.key_lengths = ((int64_t const *)__pyx_t_1);
 
 
-    /* "fastattn/_cpu/_forward.pyx":133
+    /* "fastattn/_cpu/_forward.pyx":134
  *                 p.mask_stride[axis] = 0
  *     p.key_lengths = NULL
  *     if key_lengths is not None:             # <<<<<<<<<<<<<<
@@ -3676,7 +3679,7 @@ static PyObject *__pyx_pf_8fastattn_4_cpu_8_forward_forward(CYTHON_UNUSED PyObje
 */
   }
 
-  /* "fastattn/_cpu/_forward.pyx":135
+  /* "fastattn/_cpu/_forward.pyx":136
  *     if key_lengths is not None:
  *         p.key_lengths = <const int64_t*> _address(key_lengths)
  *     p.block_queries = block_queries             # <<<<<<<<<<<<<<
@@ -3685,7 +3688,7 @@ static PyObject *__pyx_pf_8fastattn_4_cpu_8_forward_forward(CYTHON_UNUSED PyObje
 */
   __pyx_v_p.block_queries = __pyx_v_block_queries;
 
-  /* "fastattn/_cpu/_forward.pyx":136
+  /* "fastattn/_cpu/_forward.pyx":137
  *         p.key_lengths = <const int64_t*> _address(key_lengths)
  *     p.block_queries = block_queries
  *     p.query_blocks = (p.seq_q + block_queries - 1) // block_queries             # <<<<<<<<<<<<<<
@@ -3696,16 +3699,16 @@ static PyObject *__pyx_pf_8fastattn_4_cpu_8_forward_forward(CYTHON_UNUSED PyObje
 
   if (unlikely(__pyx_v_block_queries == 0)) {
     PyErr_SetString(PyExc_ZeroDivisionError, "integer division or modulo by zero");
-    __PYX_ERR(0, 136, __pyx_L1_error)
+    __PYX_ERR(0, 137, __pyx_L1_error)
   }
   else if (sizeof(int64_t) == sizeof(long) && (!(((int64_t)-1) > 0)) && unlikely(__pyx_v_block_queries == (int64_t)-1)  && unlikely(__Pyx_UNARY_NEG_WOULD_OVERFLOW(__pyx_t_11))) {
     PyErr_SetString(PyExc_OverflowError, "value too large to perform division");
-    __PYX_ERR(0, 136, __pyx_L1_error)
+    __PYX_ERR(0, 137, __pyx_L1_error)
   }
   __pyx_v_p.query_blocks = __Pyx_div_int64_t(__pyx_t_11, __pyx_v_block_queries, 0);
 
 
-  /* "fastattn/_cpu/_forward.pyx":137
+  /* "fastattn/_cpu/_forward.pyx":138
  *     p.block_queries = block_queries
  *     p.query_blocks = (p.seq_q + block_queries - 1) // block_queries
  *     p.key_tile = key_tile             # <<<<<<<<<<<<<<
@@ -3714,7 +3717,7 @@ static PyObject *__pyx_pf_8fastattn_4_cpu_8_forward_forward(CYTHON_UNUSED PyObje
 */
   __pyx_v_p.key_tile = __pyx_v_key_tile;
 
-  /* "fastattn/_cpu/_forward.pyx":138
+  /* "fastattn/_cpu/_forward.pyx":139
  *     p.query_blocks = (p.seq_q + block_queries - 1) // block_queries
  *     p.key_tile = key_tile
  *     p.splits = splits             # <<<<<<<<<<<<<<
@@ -3723,7 +3726,7 @@ static PyObject *__pyx_pf_8fastattn_4_cpu_8_forward_forward(CYTHON_UNUSED PyObje
 */
   __pyx_v_p.splits = __pyx_v_splits;
 
-  /* "fastattn/_cpu/_forward.pyx":139
+  /* "fastattn/_cpu/_forward.pyx":140
  *     p.key_tile = key_tile
  *     p.splits = splits
  *     partial_out = partial_lse = None             # <<<<<<<<<<<<<<
@@ -3735,7 +3738,7 @@ static PyObject *__pyx_pf_8fastattn_4_cpu_8_forward_forward(CYTHON_UNUSED PyObje
   __Pyx_INCREF(Py_None);
   __pyx_v_partial_lse = Py_None;
 
-  /* "fastattn/_cpu/_forward.pyx":140
+  /* "fastattn/_cpu/_forward.pyx":141
  *     p.splits = splits
  *     partial_out = partial_lse = None
  *     p.partial_out = p.partial_lse = NULL             # <<<<<<<<<<<<<<
@@ -3745,7 +3748,7 @@ static PyObject *__pyx_pf_8fastattn_4_cpu_8_forward_forward(CYTHON_UNUSED PyObje
   __pyx_v_p.partial_out = NULL;
   __pyx_v_p.partial_lse = NULL;
 
-  /* "fastattn/_cpu/_forward.pyx":141
+  /* "fastattn/_cpu/_forward.pyx":142
  *     partial_out = partial_lse = None
  *     p.partial_out = p.partial_lse = NULL
  *     if splits > 1:             # <<<<<<<<<<<<<<
@@ -3757,7 +3760,7 @@ static PyObject *__pyx_pf_8fastattn_4_cpu_8_forward_forward(CYTHON_UNUSED PyObje
   if (__pyx_t_14) {
 
 
-    /* "fastattn/_cpu/_forward.pyx":142
+    /* "fastattn/_cpu/_forward.pyx":143
  *     p.partial_out = p.partial_lse = NULL
  *     if splits > 1:
  *         compute = np.float64 if p.dtype == 1 else np.float32             # <<<<<<<<<<<<<<
@@ -3767,17 +3770,17 @@ static PyObject *__pyx_pf_8fastattn_4_cpu_8_forward_forward(CYTHON_UNUSED PyObje
     __pyx_t_14 = (__pyx_v_p.dtype == 1);
 
     if (__pyx_t_14) {
-      __Pyx_GetModuleGlobalName(__pyx_t_5, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 142, __pyx_L1_error)
+      __Pyx_GetModuleGlobalName(__pyx_t_5, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 143, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_5);
-      __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_t_5, __pyx_mstate_global->__pyx_n_u_float64); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 142, __pyx_L1_error)
+      __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_t_5, __pyx_mstate_global->__pyx_n_u_float64); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 143, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_2);
       __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
       __pyx_t_6 = __pyx_t_2;
       __pyx_t_2 = 0;
     } else {
-      __Pyx_GetModuleGlobalName(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 142, __pyx_L1_error)
+      __Pyx_GetModuleGlobalName(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 143, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_2);
-      __pyx_t_5 = __Pyx_PyObject_GetAttrStr(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_float32); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 142, __pyx_L1_error)
+      __pyx_t_5 = __Pyx_PyObject_GetAttrStr(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_float32); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 143, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_5);
       __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
       __pyx_t_6 = __pyx_t_5;
@@ -3787,7 +3790,7 @@ static PyObject *__pyx_pf_8fastattn_4_cpu_8_forward_forward(CYTHON_UNUSED PyObje
     __pyx_v_compute = __pyx_t_6;
     __pyx_t_6 = 0;
 
-    /* "fastattn/_cpu/_forward.pyx":143
+    /* "fastattn/_cpu/_forward.pyx":144
  *     if splits > 1:
  *         compute = np.float64 if p.dtype == 1 else np.float32
  *         partial_lse = np.empty(fa_forward_partial_elements(&p), dtype=compute)             # <<<<<<<<<<<<<<
@@ -3795,12 +3798,12 @@ static PyObject *__pyx_pf_8fastattn_4_cpu_8_forward_forward(CYTHON_UNUSED PyObje
  *         p.partial_out = <char*> _address(partial_out)
 */
     __pyx_t_5 = NULL;
-    __Pyx_GetModuleGlobalName(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 143, __pyx_L1_error)
+    __Pyx_GetModuleGlobalName(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 144, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_2);
-    __pyx_t_4 = __Pyx_PyObject_GetAttrStr(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_empty); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 143, __pyx_L1_error)
+    __pyx_t_4 = __Pyx_PyObject_GetAttrStr(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_empty); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 144, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_4);
     __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
-    __pyx_t_2 = __Pyx_PyLong_FromSize_t(fa_forward_partial_elements((&__pyx_v_p))); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 143, __pyx_L1_error)
+    __pyx_t_2 = __Pyx_PyLong_FromSize_t(fa_forward_partial_elements((&__pyx_v_p))); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 144, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_2);
     #if CYTHON_VECTORCALL
     #endif
@@ -3820,13 +3823,13 @@ static PyObject *__pyx_pf_8fastattn_4_cpu_8_forward_forward(CYTHON_UNUSED PyObje
       PyObject *__pyx_callargs[3] = {__pyx_t_5, __pyx_t_2, __pyx_v_compute};
       #if CYTHON_VECTORCALL
       __pyx_t_3 = __pyx_mstate_global->__pyx_tuple[0];
-      if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 143, __pyx_L1_error)
+      if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 144, __pyx_L1_error)
       __Pyx_INCREF(__pyx_t_3);
       #else
       {
         PyObject *__pyx_temp[1] = {__pyx_mstate_global->__pyx_n_u_dtype};
         __pyx_t_3 = __Pyx_MakeKwargDict(__pyx_temp, __pyx_callargs+2, 1);
-        if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 143, __pyx_L1_error)
+        if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 144, __pyx_L1_error)
         __Pyx_GOTREF(__pyx_t_3);
       }
       #endif
@@ -3837,13 +3840,13 @@ static PyObject *__pyx_pf_8fastattn_4_cpu_8_forward_forward(CYTHON_UNUSED PyObje
       #endif
       __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
       __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-      if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 143, __pyx_L1_error)
+      if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 144, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_6);
     }
     __Pyx_DECREF_SET(__pyx_v_partial_lse, __pyx_t_6);
     __pyx_t_6 = 0;
 
-    /* "fastattn/_cpu/_forward.pyx":144
+    /* "fastattn/_cpu/_forward.pyx":145
  *         compute = np.float64 if p.dtype == 1 else np.float32
  *         partial_lse = np.empty(fa_forward_partial_elements(&p), dtype=compute)
  *         partial_out = np.empty(fa_forward_partial_elements(&p) * p.head_dim_v, dtype=compute)             # <<<<<<<<<<<<<<
@@ -3851,12 +3854,12 @@ static PyObject *__pyx_pf_8fastattn_4_cpu_8_forward_forward(CYTHON_UNUSED PyObje
  *         p.partial_lse = <char*> _address(partial_lse)
 */
     __pyx_t_4 = NULL;
-    __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 144, __pyx_L1_error)
+    __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 145, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_3);
-    __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_empty); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 144, __pyx_L1_error)
+    __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_empty); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 145, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_2);
     __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
-    __pyx_t_3 = __Pyx_PyLong_FromSize_t((fa_forward_partial_elements((&__pyx_v_p)) * __pyx_v_p.head_dim_v)); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 144, __pyx_L1_error)
+    __pyx_t_3 = __Pyx_PyLong_FromSize_t((fa_forward_partial_elements((&__pyx_v_p)) * __pyx_v_p.head_dim_v)); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 145, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_3);
     #if CYTHON_VECTORCALL
     #endif
@@ -3876,13 +3879,13 @@ static PyObject *__pyx_pf_8fastattn_4_cpu_8_forward_forward(CYTHON_UNUSED PyObje
       PyObject *__pyx_callargs[3] = {__pyx_t_4, __pyx_t_3, __pyx_v_compute};
       #if CYTHON_VECTORCALL
       __pyx_t_5 = __pyx_mstate_global->__pyx_tuple[0];
-      if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 144, __pyx_L1_error)
+      if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 145, __pyx_L1_error)
       __Pyx_INCREF(__pyx_t_5);
       #else
       {
         PyObject *__pyx_temp[1] = {__pyx_mstate_global->__pyx_n_u_dtype};
         __pyx_t_5 = __Pyx_MakeKwargDict(__pyx_temp, __pyx_callargs+2, 1);
-        if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 144, __pyx_L1_error)
+        if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 145, __pyx_L1_error)
         __Pyx_GOTREF(__pyx_t_5);
       }
       #endif
@@ -3893,35 +3896,35 @@ static PyObject *__pyx_pf_8fastattn_4_cpu_8_forward_forward(CYTHON_UNUSED PyObje
       #endif
       __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
       __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
-      if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 144, __pyx_L1_error)
+      if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 145, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_6);
     }
     __Pyx_DECREF_SET(__pyx_v_partial_out, __pyx_t_6);
     __pyx_t_6 = 0;
 
-    /* "fastattn/_cpu/_forward.pyx":145
+    /* "fastattn/_cpu/_forward.pyx":146
  *         partial_lse = np.empty(fa_forward_partial_elements(&p), dtype=compute)
  *         partial_out = np.empty(fa_forward_partial_elements(&p) * p.head_dim_v, dtype=compute)
  *         p.partial_out = <char*> _address(partial_out)             # <<<<<<<<<<<<<<
  *         p.partial_lse = <char*> _address(partial_lse)
  * 
 */
-    __pyx_t_1 = __pyx_f_8fastattn_4_cpu_8_forward__address(__pyx_v_partial_out); if (unlikely(__pyx_t_1 == ((size_t)-1L) && PyErr_Occurred())) __PYX_ERR(0, 145, __pyx_L1_error)
+    __pyx_t_1 = __pyx_f_8fastattn_4_cpu_8_forward__address(__pyx_v_partial_out); if (unlikely(__pyx_t_1 == ((size_t)-1L) && PyErr_Occurred())) __PYX_ERR(0, 146, __pyx_L1_error)
     __pyx_v_p.partial_out = ((char *)__pyx_t_1);
 
 
-    /* "fastattn/_cpu/_forward.pyx":146
+    /* "fastattn/_cpu/_forward.pyx":147
  *         partial_out = np.empty(fa_forward_partial_elements(&p) * p.head_dim_v, dtype=compute)
  *         p.partial_out = <char*> _address(partial_out)
  *         p.partial_lse = <char*> _address(partial_lse)             # <<<<<<<<<<<<<<
  * 
  *     items = fa_forward_items(&p)
 */
-    __pyx_t_1 = __pyx_f_8fastattn_4_cpu_8_forward__address(__pyx_v_partial_lse); if (unlikely(__pyx_t_1 == ((size_t)-1L) && PyErr_Occurred())) __PYX_ERR(0, 146, __pyx_L1_error)
+    __pyx_t_1 = __pyx_f_8fastattn_4_cpu_8_forward__address(__pyx_v_partial_lse); if (unlikely(__pyx_t_1 == ((size_t)-1L) && PyErr_Occurred())) __PYX_ERR(0, 147, __pyx_L1_error)
     __pyx_v_p.partial_lse = ((char *)__pyx_t_1);
 
 
-    /* "fastattn/_cpu/_forward.pyx":141
+    /* "fastattn/_cpu/_forward.pyx":142
  *     partial_out = partial_lse = None
  *     p.partial_out = p.partial_lse = NULL
  *     if splits > 1:             # <<<<<<<<<<<<<<
@@ -3930,26 +3933,26 @@ static PyObject *__pyx_pf_8fastattn_4_cpu_8_forward_forward(CYTHON_UNUSED PyObje
 */
   }
 
-  /* "fastattn/_cpu/_forward.pyx":148
+  /* "fastattn/_cpu/_forward.pyx":149
  *         p.partial_lse = <char*> _address(partial_lse)
  * 
  *     items = fa_forward_items(&p)             # <<<<<<<<<<<<<<
- *     threads = max(1, min(omp_get_max_threads(), items))
+ *     threads = max(1, min(threads, items))
  *     # One scratch slab per thread, 64-byte apart, allocated here so that a failure is a MemoryError.
 */
   __pyx_v_items = fa_forward_items((&__pyx_v_p));
 
-  /* "fastattn/_cpu/_forward.pyx":149
+  /* "fastattn/_cpu/_forward.pyx":150
  * 
  *     items = fa_forward_items(&p)
- *     threads = max(1, min(omp_get_max_threads(), items))             # <<<<<<<<<<<<<<
+ *     threads = max(1, min(threads, items))             # <<<<<<<<<<<<<<
  *     # One scratch slab per thread, 64-byte apart, allocated here so that a failure is a MemoryError.
  *     scratch_bytes = (fa_forward_scratch_bytes(&p) + 63) // 64 * 64
 */
 
   __pyx_t_11 = __pyx_v_items;
 
-  __pyx_t_13 = omp_get_max_threads();
+  __pyx_t_13 = __pyx_v_threads;
   __pyx_t_14 = (__pyx_t_11 < __pyx_t_13);
 
   if (__pyx_t_14) {
@@ -3978,8 +3981,8 @@ static PyObject *__pyx_pf_8fastattn_4_cpu_8_forward_forward(CYTHON_UNUSED PyObje
   __pyx_v_threads = __pyx_t_12;
 
 
-  /* "fastattn/_cpu/_forward.pyx":151
- *     threads = max(1, min(omp_get_max_threads(), items))
+  /* "fastattn/_cpu/_forward.pyx":152
+ *     threads = max(1, min(threads, items))
  *     # One scratch slab per thread, 64-byte apart, allocated here so that a failure is a MemoryError.
  *     scratch_bytes = (fa_forward_scratch_bytes(&p) + 63) // 64 * 64             # <<<<<<<<<<<<<<
  *     slab = np.empty(threads * scratch_bytes + 64, dtype=np.uint8)
@@ -3987,7 +3990,7 @@ static PyObject *__pyx_pf_8fastattn_4_cpu_8_forward_forward(CYTHON_UNUSED PyObje
 */
   __pyx_v_scratch_bytes = (((fa_forward_scratch_bytes((&__pyx_v_p)) + 63) / 64) * 64);
 
-  /* "fastattn/_cpu/_forward.pyx":152
+  /* "fastattn/_cpu/_forward.pyx":153
  *     # One scratch slab per thread, 64-byte apart, allocated here so that a failure is a MemoryError.
  *     scratch_bytes = (fa_forward_scratch_bytes(&p) + 63) // 64 * 64
  *     slab = np.empty(threads * scratch_bytes + 64, dtype=np.uint8)             # <<<<<<<<<<<<<<
@@ -3995,16 +3998,16 @@ static PyObject *__pyx_pf_8fastattn_4_cpu_8_forward_forward(CYTHON_UNUSED PyObje
  *     with nogil:
 */
   __pyx_t_2 = NULL;
-  __Pyx_GetModuleGlobalName(__pyx_t_5, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 152, __pyx_L1_error)
+  __Pyx_GetModuleGlobalName(__pyx_t_5, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 153, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_5);
-  __pyx_t_3 = __Pyx_PyObject_GetAttrStr(__pyx_t_5, __pyx_mstate_global->__pyx_n_u_empty); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 152, __pyx_L1_error)
+  __pyx_t_3 = __Pyx_PyObject_GetAttrStr(__pyx_t_5, __pyx_mstate_global->__pyx_n_u_empty); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 153, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
   __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
-  __pyx_t_5 = __Pyx_PyLong_FromSize_t(((__pyx_v_threads * __pyx_v_scratch_bytes) + 64)); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 152, __pyx_L1_error)
+  __pyx_t_5 = __Pyx_PyLong_FromSize_t(((__pyx_v_threads * __pyx_v_scratch_bytes) + 64)); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 153, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_5);
-  __Pyx_GetModuleGlobalName(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 152, __pyx_L1_error)
+  __Pyx_GetModuleGlobalName(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 153, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
-  __pyx_t_7 = __Pyx_PyObject_GetAttrStr(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_uint8); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 152, __pyx_L1_error)
+  __pyx_t_7 = __Pyx_PyObject_GetAttrStr(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_uint8); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 153, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_7);
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
   #if CYTHON_VECTORCALL
@@ -4025,13 +4028,13 @@ static PyObject *__pyx_pf_8fastattn_4_cpu_8_forward_forward(CYTHON_UNUSED PyObje
     PyObject *__pyx_callargs[3] = {__pyx_t_2, __pyx_t_5, __pyx_t_7};
     #if CYTHON_VECTORCALL
     __pyx_t_4 = __pyx_mstate_global->__pyx_tuple[0];
-    if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 152, __pyx_L1_error)
+    if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 153, __pyx_L1_error)
     __Pyx_INCREF(__pyx_t_4);
     #else
     {
       PyObject *__pyx_temp[1] = {__pyx_mstate_global->__pyx_n_u_dtype};
       __pyx_t_4 = __Pyx_MakeKwargDict(__pyx_temp, __pyx_callargs+2, 1);
-      if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 152, __pyx_L1_error)
+      if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 153, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_4);
     }
     #endif
@@ -4043,24 +4046,24 @@ static PyObject *__pyx_pf_8fastattn_4_cpu_8_forward_forward(CYTHON_UNUSED PyObje
     __Pyx_DECREF(__pyx_t_7); __pyx_t_7 = 0;
     __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
     __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
-    if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 152, __pyx_L1_error)
+    if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 153, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_6);
   }
   __pyx_v_slab = __pyx_t_6;
   __pyx_t_6 = 0;
 
-  /* "fastattn/_cpu/_forward.pyx":153
+  /* "fastattn/_cpu/_forward.pyx":154
  *     scratch_bytes = (fa_forward_scratch_bytes(&p) + 63) // 64 * 64
  *     slab = np.empty(threads * scratch_bytes + 64, dtype=np.uint8)
  *     scratch = <char*> ((_address(slab) + 63) // 64 * 64)             # <<<<<<<<<<<<<<
  *     with nogil:
  *         for index in prange(items, schedule="dynamic", num_threads=threads):
 */
-  __pyx_t_1 = __pyx_f_8fastattn_4_cpu_8_forward__address(__pyx_v_slab); if (unlikely(__pyx_t_1 == ((size_t)-1L) && PyErr_Occurred())) __PYX_ERR(0, 153, __pyx_L1_error)
+  __pyx_t_1 = __pyx_f_8fastattn_4_cpu_8_forward__address(__pyx_v_slab); if (unlikely(__pyx_t_1 == ((size_t)-1L) && PyErr_Occurred())) __PYX_ERR(0, 154, __pyx_L1_error)
   __pyx_v_scratch = ((char *)(((__pyx_t_1 + 63) / 64) * 64));
 
 
-  /* "fastattn/_cpu/_forward.pyx":154
+  /* "fastattn/_cpu/_forward.pyx":155
  *     slab = np.empty(threads * scratch_bytes + 64, dtype=np.uint8)
  *     scratch = <char*> ((_address(slab) + 63) // 64 * 64)
  *     with nogil:             # <<<<<<<<<<<<<<
@@ -4073,7 +4076,7 @@ static PyObject *__pyx_pf_8fastattn_4_cpu_8_forward_forward(CYTHON_UNUSED PyObje
       __Pyx_FastGIL_Remember();
       /*try:*/ {
 
-        /* "fastattn/_cpu/_forward.pyx":155
+        /* "fastattn/_cpu/_forward.pyx":156
  *     scratch = <char*> ((_address(slab) + 63) // 64 * 64)
  *     with nogil:
  *         for index in prange(items, schedule="dynamic", num_threads=threads):             # <<<<<<<<<<<<<<
@@ -4103,7 +4106,7 @@ static PyObject *__pyx_pf_8fastattn_4_cpu_8_forward_forward(CYTHON_UNUSED PyObje
                         {
                             __pyx_v_index = (int64_t)(0 + 1 * __pyx_t_11);
 
-                            /* "fastattn/_cpu/_forward.pyx":156
+                            /* "fastattn/_cpu/_forward.pyx":157
  *     with nogil:
  *         for index in prange(items, schedule="dynamic", num_threads=threads):
  *             fa_forward_item(&p, scratch + omp_get_thread_num() * scratch_bytes, index)             # <<<<<<<<<<<<<<
@@ -4124,7 +4127,7 @@ static PyObject *__pyx_pf_8fastattn_4_cpu_8_forward_forward(CYTHON_UNUSED PyObje
         #endif
 
 
-        /* "fastattn/_cpu/_forward.pyx":157
+        /* "fastattn/_cpu/_forward.pyx":158
  *         for index in prange(items, schedule="dynamic", num_threads=threads):
  *             fa_forward_item(&p, scratch + omp_get_thread_num() * scratch_bytes, index)
  *         if splits > 1:             # <<<<<<<<<<<<<<
@@ -4136,7 +4139,7 @@ static PyObject *__pyx_pf_8fastattn_4_cpu_8_forward_forward(CYTHON_UNUSED PyObje
         if (__pyx_t_14) {
 
 
-          /* "fastattn/_cpu/_forward.pyx":158
+          /* "fastattn/_cpu/_forward.pyx":159
  *             fa_forward_item(&p, scratch + omp_get_thread_num() * scratch_bytes, index)
  *         if splits > 1:
  *             combines = p.batch * p.heads_kv * p.query_blocks             # <<<<<<<<<<<<<<
@@ -4145,7 +4148,7 @@ static PyObject *__pyx_pf_8fastattn_4_cpu_8_forward_forward(CYTHON_UNUSED PyObje
 */
           __pyx_v_combines = ((__pyx_v_p.batch * __pyx_v_p.heads_kv) * __pyx_v_p.query_blocks);
 
-          /* "fastattn/_cpu/_forward.pyx":159
+          /* "fastattn/_cpu/_forward.pyx":160
  *         if splits > 1:
  *             combines = p.batch * p.heads_kv * p.query_blocks
  *             for index in prange(combines, schedule="static", num_threads=threads):             # <<<<<<<<<<<<<<
@@ -4174,7 +4177,7 @@ static PyObject *__pyx_pf_8fastattn_4_cpu_8_forward_forward(CYTHON_UNUSED PyObje
                           {
                               __pyx_v_index = (int64_t)(0 + 1 * __pyx_t_11);
 
-                              /* "fastattn/_cpu/_forward.pyx":160
+                              /* "fastattn/_cpu/_forward.pyx":161
  *             combines = p.batch * p.heads_kv * p.query_blocks
  *             for index in prange(combines, schedule="static", num_threads=threads):
  *                 fa_forward_combine(&p, index)             # <<<<<<<<<<<<<<
@@ -4193,7 +4196,7 @@ static PyObject *__pyx_pf_8fastattn_4_cpu_8_forward_forward(CYTHON_UNUSED PyObje
           #endif
 
 
-          /* "fastattn/_cpu/_forward.pyx":157
+          /* "fastattn/_cpu/_forward.pyx":158
  *         for index in prange(items, schedule="dynamic", num_threads=threads):
  *             fa_forward_item(&p, scratch + omp_get_thread_num() * scratch_bytes, index)
  *         if splits > 1:             # <<<<<<<<<<<<<<
@@ -4203,7 +4206,7 @@ static PyObject *__pyx_pf_8fastattn_4_cpu_8_forward_forward(CYTHON_UNUSED PyObje
         }
       }
 
-      /* "fastattn/_cpu/_forward.pyx":154
+      /* "fastattn/_cpu/_forward.pyx":155
  *     slab = np.empty(threads * scratch_bytes + 64, dtype=np.uint8)
  *     scratch = <char*> ((_address(slab) + 63) // 64 * 64)
  *     with nogil:             # <<<<<<<<<<<<<<
@@ -4220,12 +4223,12 @@ static PyObject *__pyx_pf_8fastattn_4_cpu_8_forward_forward(CYTHON_UNUSED PyObje
       }
   }
 
-  /* "fastattn/_cpu/_forward.pyx":68
+  /* "fastattn/_cpu/_forward.pyx":67
  * 
  * 
  * def forward(q, k, v, out, lse, *, double scale, double softcap, bint causal, int64_t offset,             # <<<<<<<<<<<<<<
  *             int64_t window_left, int64_t window_right, mask, key_lengths,
- *             int64_t block_queries, int64_t key_tile, int64_t splits):
+ *             int64_t block_queries, int64_t key_tile, int64_t splits, int threads):
 */
 
   /* function exit code */
@@ -4248,11 +4251,11 @@ static PyObject *__pyx_pf_8fastattn_4_cpu_8_forward_forward(CYTHON_UNUSED PyObje
 
 
 
-
   __Pyx_XDECREF(__pyx_v_partial_out);
   __Pyx_XDECREF(__pyx_v_partial_lse);
   __Pyx_XDECREF(__pyx_v_compute);
   __Pyx_XDECREF(__pyx_v_slab);
+
   __Pyx_XGIVEREF(__pyx_r);
   __Pyx_RefNannyFinishContext();
   return __pyx_r;
@@ -4624,52 +4627,52 @@ __Pyx_RefNannySetupContext("PyInit__forward", 0);
   if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_np, __pyx_t_2) < (0)) __PYX_ERR(0, 11, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "fastattn/_cpu/_forward.pyx":54
+  /* "fastattn/_cpu/_forward.pyx":53
  *     void fa_forward_combine(const FwdParams* p, int64_t index)
  * 
  * _DTYPE_CODES = {"float32": 0, "float64": 1, "float16": 2, "bfloat16": 3}             # <<<<<<<<<<<<<<
  * _MASK_CODES = {"bool": 1, "float32": 2, "float64": 3, "float16": 4, "bfloat16": 5}
  * 
 */
-  __pyx_t_2 = __Pyx_PyDict_NewPresized(4); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 54, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyDict_NewPresized(4); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 53, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
-  if (PyDict_SetItem(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_float32, __pyx_mstate_global->__pyx_int_0) < (0)) __PYX_ERR(0, 54, __pyx_L1_error)
-  if (PyDict_SetItem(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_float64, __pyx_mstate_global->__pyx_int_1) < (0)) __PYX_ERR(0, 54, __pyx_L1_error)
-  if (PyDict_SetItem(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_float16, __pyx_mstate_global->__pyx_int_2) < (0)) __PYX_ERR(0, 54, __pyx_L1_error)
-  if (PyDict_SetItem(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_bfloat16, __pyx_mstate_global->__pyx_int_3) < (0)) __PYX_ERR(0, 54, __pyx_L1_error)
-  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_DTYPE_CODES, __pyx_t_2) < (0)) __PYX_ERR(0, 54, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_float32, __pyx_mstate_global->__pyx_int_0) < (0)) __PYX_ERR(0, 53, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_float64, __pyx_mstate_global->__pyx_int_1) < (0)) __PYX_ERR(0, 53, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_float16, __pyx_mstate_global->__pyx_int_2) < (0)) __PYX_ERR(0, 53, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_bfloat16, __pyx_mstate_global->__pyx_int_3) < (0)) __PYX_ERR(0, 53, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_DTYPE_CODES, __pyx_t_2) < (0)) __PYX_ERR(0, 53, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "fastattn/_cpu/_forward.pyx":55
+  /* "fastattn/_cpu/_forward.pyx":54
  * 
  * _DTYPE_CODES = {"float32": 0, "float64": 1, "float16": 2, "bfloat16": 3}
  * _MASK_CODES = {"bool": 1, "float32": 2, "float64": 3, "float16": 4, "bfloat16": 5}             # <<<<<<<<<<<<<<
  * 
  * 
 */
-  __pyx_t_2 = __Pyx_PyDict_NewPresized(5); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 55, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyDict_NewPresized(5); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 54, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
-  if (PyDict_SetItem(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_bool, __pyx_mstate_global->__pyx_int_1) < (0)) __PYX_ERR(0, 55, __pyx_L1_error)
-  if (PyDict_SetItem(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_float32, __pyx_mstate_global->__pyx_int_2) < (0)) __PYX_ERR(0, 55, __pyx_L1_error)
-  if (PyDict_SetItem(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_float64, __pyx_mstate_global->__pyx_int_3) < (0)) __PYX_ERR(0, 55, __pyx_L1_error)
-  if (PyDict_SetItem(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_float16, __pyx_mstate_global->__pyx_int_4) < (0)) __PYX_ERR(0, 55, __pyx_L1_error)
-  if (PyDict_SetItem(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_bfloat16, __pyx_mstate_global->__pyx_int_5) < (0)) __PYX_ERR(0, 55, __pyx_L1_error)
-  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_MASK_CODES, __pyx_t_2) < (0)) __PYX_ERR(0, 55, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_bool, __pyx_mstate_global->__pyx_int_1) < (0)) __PYX_ERR(0, 54, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_float32, __pyx_mstate_global->__pyx_int_2) < (0)) __PYX_ERR(0, 54, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_float64, __pyx_mstate_global->__pyx_int_3) < (0)) __PYX_ERR(0, 54, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_float16, __pyx_mstate_global->__pyx_int_4) < (0)) __PYX_ERR(0, 54, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_bfloat16, __pyx_mstate_global->__pyx_int_5) < (0)) __PYX_ERR(0, 54, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_MASK_CODES, __pyx_t_2) < (0)) __PYX_ERR(0, 54, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "fastattn/_cpu/_forward.pyx":68
+  /* "fastattn/_cpu/_forward.pyx":67
  * 
  * 
  * def forward(q, k, v, out, lse, *, double scale, double softcap, bint causal, int64_t offset,             # <<<<<<<<<<<<<<
  *             int64_t window_left, int64_t window_right, mask, key_lengths,
- *             int64_t block_queries, int64_t key_tile, int64_t splits):
+ *             int64_t block_queries, int64_t key_tile, int64_t splits, int threads):
 */
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_8fastattn_4_cpu_8_forward_1forward, 0, __pyx_mstate_global->__pyx_n_u_forward, NULL, __pyx_mstate_global->__pyx_n_u_fastattn__cpu__forward, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[0])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 68, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_8fastattn_4_cpu_8_forward_1forward, 0, __pyx_mstate_global->__pyx_n_u_forward, NULL, __pyx_mstate_global->__pyx_n_u_fastattn__cpu__forward, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[0])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 67, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
   #endif
-  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_forward, __pyx_t_2) < (0)) __PYX_ERR(0, 68, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_forward, __pyx_t_2) < (0)) __PYX_ERR(0, 67, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
   /* "fastattn/_cpu/_forward.pyx":1
@@ -4738,7 +4741,7 @@ static int __Pyx_InitCachedConstants(__pyx_mstatetype *__pyx_mstate) {
   CYTHON_UNUSED_VAR(__pyx_mstate);
   __Pyx_RefNannySetupContext("__Pyx_InitCachedConstants", 0);
 
-  /* "fastattn/_cpu/_forward.pyx":143
+  /* "fastattn/_cpu/_forward.pyx":144
  *     if splits > 1:
  *         compute = np.float64 if p.dtype == 1 else np.float32
  *         partial_lse = np.empty(fa_forward_partial_elements(&p), dtype=compute)             # <<<<<<<<<<<<<<
@@ -4747,7 +4750,7 @@ static int __Pyx_InitCachedConstants(__pyx_mstatetype *__pyx_mstate) {
 */
   {
     PyObject* __pyx_temp[1] = {__pyx_mstate_global->__pyx_n_u_dtype};
-    __pyx_mstate_global->__pyx_tuple[0] = __Pyx_PyTuple_FromArray(__pyx_temp, 1); if (unlikely(!__pyx_mstate_global->__pyx_tuple[0])) __PYX_ERR(0, 143, __pyx_L1_error)
+    __pyx_mstate_global->__pyx_tuple[0] = __Pyx_PyTuple_FromArray(__pyx_temp, 1); if (unlikely(!__pyx_mstate_global->__pyx_tuple[0])) __PYX_ERR(0, 144, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_mstate_global->__pyx_tuple[0]);
   }
   __Pyx_GIVEREF(__pyx_mstate_global->__pyx_tuple[0]);
@@ -4789,30 +4792,30 @@ static int __Pyx_InitConstants(__pyx_mstatetype *__pyx_mstate) {
   CYTHON_UNUSED_VAR(__pyx_mstate);
   {
     const struct { const unsigned int length: 5; } str_length_index[] = {{1},{26},{12},{11},{20},{12},{19},{17},{8},{8},{10},{8},{12},{8},{13},{18},{4},{8},{13},{4},{6},{18},{8},{7},{4},{5},{5},{22},{7},{7},{7},{7},{5},{5},{8},{1},{11},{8},{3},{4},{4},{2},{5},{6},{3},{1},{11},{11},{3},{1},{5},{7},{13},{10},{5},{4},{7},{6},{7},{7},{5},{1},{6},{11},{12}};
-    const struct { const unsigned int length: 10; } bytes_length_index[] = {{750}};
+    const struct { const unsigned int length: 10; } bytes_length_index[] = {{747}};
     #ifndef CYTHON_COMPRESS_STRINGS
       #define CYTHON_COMPRESS_STRINGS 90
     #endif
-    #if (CYTHON_COMPRESS_STRINGS) == 1 /* compression: zlib (858 bytes) */
-static const char cstring[] = "x\332\205R\317s\333T\020Fu~\270\324S\242B\322t\010\004g\2302tZw\224@\3020\3140n\234\022\206\0021\241\205\362K\263\222\237baY\222\365\236\022\213\341\340\243\216\357\370\216\357\250\243\216>\372\330\243\216:\366O\340O`\237\2603PfZ\037\374\355\267\373v\367\333]}\356\000e\300\230\177\337\264\303\370\276\351\004\321\005D\275V\230\214\315\316\367OO\216\314\303o;G\247\346\327\355\323\257\346\246y\202\261\223\244\343\332\314\374\206\214\331w\3041M\360\375\000\353\020\023\177\020E\220\230\256\317H\344\200]\271l\017(5\317\010s\031\031*\207\023\373\266\302!\270~\205A/\366\252\247>\014+\034\305\340-lF(Cp\251i\007Q\0203\327\047@\023\337v\203\326\245\203\302\330\245\226\343\005\300\214}\313\013\354\001\226 \221K\250\025\004\236\r1\005\317\366\360!*3Y\204\302,\260\007v0\264T2b\0303\322\003\006=\226\204\204\014C\226,v\323R\273i-v3oQ\301\336n\005\373\037\315c\256\337#c5#\375\347\357\0172\030\220\304\364\210\177\306\372T\231\314\365\210G\311\020\350@M\347\207~<\014\223\300q(a8H\030B\304\\\360L|\2630\225;\010G\324\006\017\205F\300\354\376\034L+\301\325`f\2178\020{\214\366!$\324\003\213\006\016\263!\244\241\3472JY\344\366p\203\375\210@\217\306x\230O\316\317\301\213\t\275@\275\301\005\312s\330\334\214\334\263>\233h\177u\264\327\226W&\217\323\226\250KM\352\345\322\362K\310\017\3511?\026m\321}\2014\322v\332M\007\342M\321~5\031\212\217\245\366\002Y\236\374\210\344w\241\211M\251\313\273\031d#\345\374\231k\374\226h\212}t\276/A\236g\335\014T\3407n\360\207\0300\024y\232B\232\210\2320T\017E=\025\021\017es\036\235\227R\360S:\372\027\230\\e\024\313\353\274;\327\240\340W\216\211\253\2238\375\202\033e\375j\272\311\337\025c9\3124E\336\341\203J\214\223\265\313\372\032\352\323yK\256H(\353\r\334\307\221\320E\263l\274\2212\276\217\346mY\223F\271\246\363-\321\025}\t\227=W\047\177\362\003|\211\005\267\213\315\017\263\315\\\317\233\225\224\r\016\013\344\027\302\222\3273+\257\345{y\225\373\013\327/\325\337\300\276\332\274 7eU\364\"\265p\314\372\r\276\303\037\341\315nf\265\354 \337\311Q\351\006\267\304\212""\200b\373\323isjL;\263\225\031\374\317{8\215f\372\354\336\263\363\342\361\223J\032^\276\236i\231\376\037\362|\251Q4\266\324\341\005\212\322q\001\037\024\267\356f\235\\{\276\264^\254\337S7\312(\266\355Lk\323\275\2515C\225\327\322\335\364\t\336\354X<\020~\366 \353\345\267\247W\2468\361u<\272\372\2746d\224\275\225\235\342\250\273y\267\274\372z\331x[\030\305\326\341\314\250,\354v\212\335\257\024w>\253Tn\027\047\335\262~-=\300I\333e\343&\037\211U\021\341a\356`q\365\361\254m\213Q\361\336\227\317\364rmG6\245!\017\345\350o\251\\\367\232";
-    PyObject *data = __Pyx_DecompressString(cstring, 858, 1);
+    #if (CYTHON_COMPRESS_STRINGS) == 1 /* compression: zlib (855 bytes) */
+static const char cstring[] = "x\332\205R\315s\333T\020\307u>\\\352)Q!i:\004\2023L\031:\324\035%\2200\0143\214\033\247\204\341+&\264P\276\336\254\344\247XX\226d\275\247\330b8\370\250\343;\276\343;\352\350\243\217>\366\250\243\216\375\023\370\023\330\047\354\014\224\031\360\301\277\375\355\276\335\375\355\256>q\200q\340\334\177@\3540~@\234 \032A\324m\206\311\230\264\277}zvB\216\277n\237\234\223/[\347\237/Lr\206\261\263\244\355\332\234|E\307\374\033\352\020\002\276\037`\035J\360\007Q\004\tq}N#\007\354\322e{\300\030\271\240\334\345t\240\035N\354\333\032\007\340\372%\006\335\330+\237\3720(q\030\203\267\2649e\034\301e\304\016\242 \346\256O\201%\276\355\006\315+\007\203\261\313,\307\013\200\233\207\226\027\330},A#\2272+\010<\033b\006\236\355\341CTFx\204\302,\260\373v0\260t2b\030s\332\005\016]\236\204\224\016B\236,w\323\324\273i.w\263hQ\302\301~\t\207\357/b\256\337\245c=#\373\353\3577\332\357\323\204x\324\277\340=\246M\356z\324ct\000\254\257\247\363C?\036\204I\3408\214r\034$\014!\342.x\004\337,M\355\016\302!\263\301C\241\021p\273\267\000b%\270\032\314\354R\007b\217\263\036\204\224y`\261\300\3416\204,\364\\\316\030\217\334.n\260\027Q\350\262\030\017\363\341\345%x1e#\324\033\214P\236\303\027f\344^\364\370\244\362\307i\345\245\325\265\311\343\264)k\252\242\214be\365?\310w\351\2518\225-\331y\201\324\323V\332I\373\362U\331\372\1772\220\037\250\312\013du\362=\222_eEn+C\275\227A6\324\316\037EE\334\221\ry\210\316\267\025\250\313\254\223\201\016\374\"L\361\010\003\246&OSH\023Y\225\246\356\241\251\247#\362\221j,\242\213R\032~H\207\177\003\"tF\276\272):\013\r\032~\026\230\270>\211\323O\205Y\324\256\247\333\342M9V\303\254\242\311\033\242_\212q\262VQ\333@}\206h\2525\005E\255\216\3738\221\206l\024\365WR.\016\321\274\253\252\312,6\014\261#;\262\247\340\252\347\372\344wq\204/\261\340n\276\375n\266=5\246\215R\312\226\200%\212\221\264\324\315\314\232V\247\007\3232\367\047a\\\251\277\205}+\213\202\202\250\262\350(\265p\314\332-\261\047\276\300\233\335\316\252\331\321to\212J\267\204%\327$\344\273\037\315\0323s\326\236\257""\315\341_\336\343Y47\346\367\237]\346\217\237\224\322\360\362\265\254\222\031\377 \317W\352y}G\037^\242(\003\027\360\216\274\243\032\317W6\363\315\373\372@\031\303\236\355Yuv0\263\346(\361F\272\237>\301\203\235\312\207\322\317\036f\335\351\335\331\265\031\216{\023/\256\277\255-\025e\257e\3478\347\376\264S\\\177\271\250\277.\315|\347xn\226\026\266:\307\326\327\362{\037\227\022w\363\263NQ\273\221\036\341\230\255\242~[\014\345\272\214\360*\367\260\270\376r6v\3450\177\353\263gF\261\261\247\032\312T\307j\370\047\313\221\366^";
+    PyObject *data = __Pyx_DecompressString(cstring, 855, 1);
     #define __Pyx_DecompressString_LZSS_UNUSED
     if (unlikely(!data)) __PYX_ERR(0, 1, __pyx_L1_error)
     const char* const bytes = __Pyx_PyBytes_AsString(data);
     #if !CYTHON_ASSUME_SAFE_MACROS
     if (likely(bytes)); else { Py_DECREF(data); __PYX_ERR(0, 1, __pyx_L1_error) }
     #endif
-    #elif (CYTHON_COMPRESS_STRINGS) > 0 && (CYTHON_COMPRESS_STRINGS) <= 90 /* compression: lzss (1077 bytes) */
-static const char cstring[] = "\377?fastatt\377n/_cpu/_\377forward.\377pyx_DTYP\377E_CODES_oMASK\004\004_P\031\000\377PyDict_N\377extRef__\357annoE\000e__\376\t\000rray_in\277terfac\016\002c\377lass_get\357item \001fun\275c(\001main\003\002owdul9\002namA\002\357qual\004\005tes\375tW\000is_cor\377outineas\277yncio.\010\006s\377axisbflo\377at16bloc\377k_querie\377sboolcau\237salcl7\000\227\000_\373tr\226\000backc\327ombK\000s\005\000pu\377tedatadt\377ypeempty\212\224%.\230!.\224%\\\004e\0023\3552l\00264\261$ind\353ex\340\001s\000\002ize\377kkey_len\357gths\007\001til\377elsemask\376\346\001npnumpy\277offset\327\000p\377partial_\370!\000\003\005\023\001opqsc\377alescrat;ch\000\004_by\230 7\000\377defaults\377hapeslab\377softcaps\377plitsstr\373id\277 hread\373su\226@8vvalouesw\255\000ow\234\000\373ft\004\004right\377\200\001\360D\001\000\005\006\377\200U\210.\230\010\240\001\237\240\021\330\004\005\000\n\014\013W\377\210H\220H\230A\230Q\374#\001\002\010\014\210A\210Q\210\177k\230\023\230A\330\004\000\n>\007\020m\2305\240\001\037\005\006\004\367\005\200X>\000j\230\001\230\377\030\240\021\240,\250a\250\375q\206\001[\220\001\220\031\230\367!\2306\022\000$\240a\240\337v\250Q\250a\237\001^\220\3271\220F\026\0001\254\001Y\210\177a\210y\230\003\2301z\001\337\005\200Y\210l\026\001\230Fc\240!\027\004D\004\330\001Z\210T\002\366\000\004_\220\255\000\005\320\005\025\261\220\315\002\201\000\374\001]\2206\000\007\377\200u\210G\2201\330\010\377\t\210\030\220\036\230x\240wq\250\001\t\001\035\220k\210\002\277f\250A\330\010\020\235\000\021\377\220.\240\006\240a\330\010\375\014\232 E\230\021\230!\330\277\014\017\210t\2206\010\000&\377\240\003\2401\330\020\021\220?\034\230Q\230h\240\266\002o\002\237\007\200|\2207\047\000[\000\037\377\320\030)\250\030\260\021\260\236\252\001\320\005\026\220\335\001\003\002\220\377w\230b\240\016\250b\260\357\003\2603\260\362\002\\\220\021\262\274\006\022u\000\304 \005\200\302\000\220\373_\240\366 \007\200w\210b}\220\243\000\022\220\"\220L\313@\377\027\250\003\2507\260\"\260\376\247\000""\026\220b\230\006\230a\377\320\037:\270!\2701\270\317D\300\006\300\260\000\007\014C\270\377r\300\021\300-\310v\320\353UV\365\001\037\221`\010\250\001\373\250\021\000\n\340\004\014\320\014\365\034\202a\230\211@\021\220\021\220\377\047\320\031,\250D\260\001\277\340\004\025\320\025-\240A\250\375st\000D\270\003\2703\270\373b\300\352@\013\2102\210V\376\261@H\230B\230n\250B\177\250d\260&\270\002\270\235@\367\016\210j\364b\026\240r\250\367\024\250S\350\0002\260Q\330\377\t\n\330\014\033\2301\320\317\034C\3001\005\002\361`S\240\177\010\250\002\320*<\270\242\001\377\037\320PQ\330\010\013\210\3757\347\000A\330\014\027\220q/\230\007\230r\270`*Z\000\271a\377\020\037\230q\320 I\310\377\021\330\020\"\240!\2401\017\240C\240q";
-    PyObject *data = __Pyx_DecompressString_LZSS(cstring, 1077, 1283);
+    #elif (CYTHON_COMPRESS_STRINGS) > 0 && (CYTHON_COMPRESS_STRINGS) <= 90 /* compression: lzss (1074 bytes) */
+static const char cstring[] = "\377?fastatt\377n/_cpu/_\377forward.\377pyx_DTYP\377E_CODES_oMASK\004\004_P\031\000\377PyDict_N\377extRef__\357annoE\000e__\376\t\000rray_in\277terfac\016\002c\377lass_get\357item \001fun\275c(\001main\003\002owdul9\002namA\002\357qual\004\005tes\375tW\000is_cor\377outineas\277yncio.\010\006s\377axisbflo\377at16bloc\377k_querie\377sboolcau\237salcl7\000\227\000_\373tr\226\000backc\327ombK\000s\005\000pu\377tedatadt\377ypeempty\212\224%.\230!.\224%\\\004e\0023\3552l\00264\261$ind\353ex\340\001s\000\002ize\377kkey_len\357gths\007\001til\377elsemask\376\346\001npnumpy\277offset\327\000p\377partial_\370!\000\003\005\023\001opqsc\377alescrat;ch\000\004_by\230 7\000\377defaults\377hapeslab\377softcaps\377plitsstr\373id\277 hread\373su\226@8vvalouesw\255\000ow\234\000\373ft\004\004right\377\200\001\360H\001\000\005\006\377\200U\210.\230\010\240\001\237\240\021\330\004\005\000\n\014\013W\377\210H\220H\230A\230Q\374#\001\002\010\014\210A\210Q\210\177k\230\023\230A\330\004\000\n>\007\020m\2305\240\001\037\005\006\004\367\005\200X>\000j\230\001\230\377\030\240\021\240,\250a\250\375q\206\001[\220\001\220\031\230\367!\2306\022\000$\240a\240\337v\250Q\250a\237\001^\220\3271\220F\026\0001\254\001Y\210\177a\210y\230\003\2301z\001\337\005\200Y\210l\026\001\230Fc\240!\027\004D\004\330\001Z\210T\002\366\000\004_\220\255\000\005\320\005\025\261\220\315\002\201\000\374\001]\2206\000\007\377\200u\210G\2201\330\010\377\t\210\030\220\036\230x\240wq\250\001\t\001\035\220k\210\002\277f\250A\330\010\020\235\000\021\377\220.\240\006\240a\330\010\375\014\232 E\230\021\230!\330\277\014\017\210t\2206\010\000&\377\240\003\2401\330\020\021\220?\034\230Q\230h\240\266\002o\002\237\007\200|\2207\047\000[\000\037\377\320\030)\250\030\260\021\260\236\252\001\320\005\026\220\335\001\003\002\220\377w\230b\240\016\250b\260\357\003\2603\260\362\002\\\220\021\262\274\006\022u\000\304 \005\200\302\000\220\373_\240\366 \007\200w\210b}\220\243\000\022\220\"\220L\313@\377\027\250\003\2507\260\"\260\376\247\000""\026\220b\230\006\230a\377\320\037:\270!\2701\270\317D\300\006\300\260\000\007\014C\270\377r\300\021\300-\310v\320\353UV\365\001\037\221`\010\250\001\373\250\021\000\n\340\004\014\320\014\365\034\202a\230\211@\021\220\021\220\377\047\230\031\240!\340\004\025\267\320\025-\235A\250sq\000D\177\270\003\2703\270b\300\347@\337\013\2102\210V\256@H\230\377B\230n\250B\250d\260\357&\270\002\270\232@\016\210j\376\361b\026\240r\250\024\250S\376\345\0002\260Q\330\t\n\330\377\014\033\2301\320\034C\300\3711\005\002\356`S\240\010\250\002\357\320*<\270\237\001\037\320P\277Q\330\010\013\2107\344\000A\377\330\014\027\220q\230\007\230\345r\265`*Z\000\266a\020\037\230\377q\320 I\310\021\330\020\377\"\240!\2401\240C\240\001q";
+    PyObject *data = __Pyx_DecompressString_LZSS(cstring, 1074, 1280);
     #define __Pyx_DecompressString_UNUSED
     if (unlikely(!data)) __PYX_ERR(0, 1, __pyx_L1_error)
     const char* const bytes = __Pyx_PyBytes_AsString(data);
     #if !CYTHON_ASSUME_SAFE_MACROS
     if (likely(bytes)); else { Py_DECREF(data); __PYX_ERR(0, 1, __pyx_L1_error) }
     #endif
-    #else /* compression: none (1283 bytes) */
-static const char bytes[] = "?fastattn/_cpu/_forward.pyx_DTYPE_CODES_MASK_CODES__Pyx_PyDict_NextRef__annotate____array_interface____class_getitem____func____main____module____name____qualname____test___is_coroutineasyncio.coroutinesaxisbfloat16block_queriesboolcausalcline_in_tracebackcombinescomputedatadtypeemptyfastattn._cpu._forwardfloat16float32float64forwardindexitemsitemsizekkey_lengthskey_tilelsemasknamenpnumpyoffsetoutppartial_lsepartial_outpopqscalescratchscratch_bytessetdefaultshapeslabsoftcapsplitsstridesthreadsuint8vvalueswindow_leftwindow_right\200\001\360D\001\000\005\006\200U\210.\230\010\240\001\240\021\330\004\005\200U\210.\230\010\240\001\240\021\330\004\005\200U\210.\230\010\240\001\240\021\330\004\005\200W\210H\220H\230A\230Q\330\004\005\200W\210H\220H\230A\230Q\330\004\014\210A\210Q\210k\230\023\230A\330\004\014\210A\210Q\210k\230\023\230A\330\004\014\210A\210Q\210k\230\023\230A\330\004\014\210A\210Q\210m\2305\240\001\330\004\014\210A\210Q\210m\2305\240\001\330\004\005\200X\210Q\210j\230\001\230\030\240\021\240,\250a\250q\330\004\005\200[\220\001\220\031\230!\2306\240\021\240$\240a\240v\250Q\250a\330\004\005\200^\2201\220F\230!\2301\330\004\005\200Y\210a\210y\230\003\2301\230A\330\004\005\200Y\210l\230!\2301\230F\240!\330\004\005\200Y\210a\330\004\005\200[\220\001\330\004\005\200Z\210q\330\004\005\200Z\210q\330\004\005\200_\220A\330\004\005\320\005\025\220Q\330\004\005\200X\210Q\330\004\005\200]\220!\330\004\007\200u\210G\2201\330\010\t\210\030\220\036\230x\240q\250\001\330\010\t\210\035\220k\240\021\240$\240f\250A\330\010\020\220\001\220\021\220.\240\006\240a\330\010\014\210H\220E\230\021\230!\330\014\017\210t\2206\230\021\230&\240\003\2401\330\020\021\220\034\230Q\230h\240a\330\004\005\200_\220A\330\004\007\200|\2207\230!\330\010\t\210\037\320\030)\250\030\260\021\260!\330\004\005\320\005\026\220a\330\004\005\320\005\026\220a\220w\230b\240\016\250b\260\003\2603\260a\330\004\005\200\\\220\021\330\004\005\200Z\210q\330\004\022\220.\240\001\330\004\005\200_\220A\220_\240A""\330\004\007\200w\210b\220\001\330\010\022\220\"\220L\240\001\240\027\250\003\2507\260\"\260A\330\010\026\220b\230\006\230a\320\037:\270!\2701\270D\300\006\300a\330\010\026\220b\230\006\230a\320\037:\270!\2701\270C\270r\300\021\300-\310v\320UV\330\010\t\210\037\230\010\240\010\250\001\250\021\330\010\t\210\037\230\010\240\010\250\001\250\021\340\004\014\320\014\034\230A\230Q\230a\330\004\021\220\021\220\047\320\031,\250D\260\001\340\004\025\320\025-\250Q\250a\250s\260\"\260D\270\003\2703\270b\300\001\330\004\013\2102\210V\2201\220H\230B\230n\250B\250d\260&\270\002\270!\330\004\016\210j\230\010\240\001\240\026\240r\250\024\250S\260\003\2602\260Q\330\t\n\330\014\033\2301\320\034C\3001\330\014\033\2301\230A\230S\240\010\250\002\320*<\270C\270r\300\037\320PQ\330\010\013\2107\220\"\220A\330\014\027\220q\230\007\230r\240\021\240*\250B\250a\250q\330\020\037\230q\320 I\310\021\330\020\"\240!\2401\240C\240q";
+    #else /* compression: none (1280 bytes) */
+static const char bytes[] = "?fastattn/_cpu/_forward.pyx_DTYPE_CODES_MASK_CODES__Pyx_PyDict_NextRef__annotate____array_interface____class_getitem____func____main____module____name____qualname____test___is_coroutineasyncio.coroutinesaxisbfloat16block_queriesboolcausalcline_in_tracebackcombinescomputedatadtypeemptyfastattn._cpu._forwardfloat16float32float64forwardindexitemsitemsizekkey_lengthskey_tilelsemasknamenpnumpyoffsetoutppartial_lsepartial_outpopqscalescratchscratch_bytessetdefaultshapeslabsoftcapsplitsstridesthreadsuint8vvalueswindow_leftwindow_right\200\001\360H\001\000\005\006\200U\210.\230\010\240\001\240\021\330\004\005\200U\210.\230\010\240\001\240\021\330\004\005\200U\210.\230\010\240\001\240\021\330\004\005\200W\210H\220H\230A\230Q\330\004\005\200W\210H\220H\230A\230Q\330\004\014\210A\210Q\210k\230\023\230A\330\004\014\210A\210Q\210k\230\023\230A\330\004\014\210A\210Q\210k\230\023\230A\330\004\014\210A\210Q\210m\2305\240\001\330\004\014\210A\210Q\210m\2305\240\001\330\004\005\200X\210Q\210j\230\001\230\030\240\021\240,\250a\250q\330\004\005\200[\220\001\220\031\230!\2306\240\021\240$\240a\240v\250Q\250a\330\004\005\200^\2201\220F\230!\2301\330\004\005\200Y\210a\210y\230\003\2301\230A\330\004\005\200Y\210l\230!\2301\230F\240!\330\004\005\200Y\210a\330\004\005\200[\220\001\330\004\005\200Z\210q\330\004\005\200Z\210q\330\004\005\200_\220A\330\004\005\320\005\025\220Q\330\004\005\200X\210Q\330\004\005\200]\220!\330\004\007\200u\210G\2201\330\010\t\210\030\220\036\230x\240q\250\001\330\010\t\210\035\220k\240\021\240$\240f\250A\330\010\020\220\001\220\021\220.\240\006\240a\330\010\014\210H\220E\230\021\230!\330\014\017\210t\2206\230\021\230&\240\003\2401\330\020\021\220\034\230Q\230h\240a\330\004\005\200_\220A\330\004\007\200|\2207\230!\330\010\t\210\037\320\030)\250\030\260\021\260!\330\004\005\320\005\026\220a\330\004\005\320\005\026\220a\220w\230b\240\016\250b\260\003\2603\260a\330\004\005\200\\\220\021\330\004\005\200Z\210q\330\004\022\220.\240\001\330\004\005\200_\220A\220_\240A""\330\004\007\200w\210b\220\001\330\010\022\220\"\220L\240\001\240\027\250\003\2507\260\"\260A\330\010\026\220b\230\006\230a\320\037:\270!\2701\270D\300\006\300a\330\010\026\220b\230\006\230a\320\037:\270!\2701\270C\270r\300\021\300-\310v\320UV\330\010\t\210\037\230\010\240\010\250\001\250\021\330\010\t\210\037\230\010\240\010\250\001\250\021\340\004\014\320\014\034\230A\230Q\230a\330\004\021\220\021\220\047\230\031\240!\340\004\025\320\025-\250Q\250a\250s\260\"\260D\270\003\2703\270b\300\001\330\004\013\2102\210V\2201\220H\230B\230n\250B\250d\260&\270\002\270!\330\004\016\210j\230\010\240\001\240\026\240r\250\024\250S\260\003\2602\260Q\330\t\n\330\014\033\2301\320\034C\3001\330\014\033\2301\230A\230S\240\010\250\002\320*<\270C\270r\300\037\320PQ\330\010\013\2107\220\"\220A\330\014\027\220q\230\007\230r\240\021\240*\250B\250a\250q\330\020\037\230q\320 I\310\021\330\020\"\240!\2401\240C\240q";
     PyObject *data = NULL;
     #define __Pyx_DecompressString_UNUSED
     #define __Pyx_DecompressString_LZSS_UNUSED
@@ -4935,9 +4938,9 @@ static int __Pyx_CreateCodeObjects(__pyx_mstatetype *__pyx_mstate) {
   PyObject* tuple_dedup_map = PyDict_New();
   if (unlikely(!tuple_dedup_map)) return -1;
   {
-    const __Pyx_PyCode_New_function_description descr = {5, 0, 11, 28, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 68};
-    PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_q, __pyx_mstate->__pyx_n_u_k, __pyx_mstate->__pyx_n_u_v, __pyx_mstate->__pyx_n_u_out, __pyx_mstate->__pyx_n_u_lse, __pyx_mstate->__pyx_n_u_scale, __pyx_mstate->__pyx_n_u_softcap, __pyx_mstate->__pyx_n_u_causal, __pyx_mstate->__pyx_n_u_offset, __pyx_mstate->__pyx_n_u_window_left, __pyx_mstate->__pyx_n_u_window_right, __pyx_mstate->__pyx_n_u_mask, __pyx_mstate->__pyx_n_u_key_lengths, __pyx_mstate->__pyx_n_u_block_queries, __pyx_mstate->__pyx_n_u_key_tile, __pyx_mstate->__pyx_n_u_splits, __pyx_mstate->__pyx_n_u_p, __pyx_mstate->__pyx_n_u_items, __pyx_mstate->__pyx_n_u_index, __pyx_mstate->__pyx_n_u_combines, __pyx_mstate->__pyx_n_u_threads, __pyx_mstate->__pyx_n_u_axis, __pyx_mstate->__pyx_n_u_scratch, __pyx_mstate->__pyx_n_u_scratch_bytes, __pyx_mstate->__pyx_n_u_partial_out, __pyx_mstate->__pyx_n_u_partial_lse, __pyx_mstate->__pyx_n_u_compute, __pyx_mstate->__pyx_n_u_slab};
-    __pyx_mstate_global->__pyx_codeobj_tab[0] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_fastattn__cpu__forward_pyx, __pyx_mstate->__pyx_n_u_forward, __pyx_mstate->__pyx_kp_b_iso88591_D_U_U_U_WHHAQ_WHHAQ_AQk_A_AQk_A, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[0])) goto bad;
+    const __Pyx_PyCode_New_function_description descr = {5, 0, 12, 28, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 67};
+    PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_q, __pyx_mstate->__pyx_n_u_k, __pyx_mstate->__pyx_n_u_v, __pyx_mstate->__pyx_n_u_out, __pyx_mstate->__pyx_n_u_lse, __pyx_mstate->__pyx_n_u_scale, __pyx_mstate->__pyx_n_u_softcap, __pyx_mstate->__pyx_n_u_causal, __pyx_mstate->__pyx_n_u_offset, __pyx_mstate->__pyx_n_u_window_left, __pyx_mstate->__pyx_n_u_window_right, __pyx_mstate->__pyx_n_u_mask, __pyx_mstate->__pyx_n_u_key_lengths, __pyx_mstate->__pyx_n_u_block_queries, __pyx_mstate->__pyx_n_u_key_tile, __pyx_mstate->__pyx_n_u_splits, __pyx_mstate->__pyx_n_u_threads, __pyx_mstate->__pyx_n_u_p, __pyx_mstate->__pyx_n_u_items, __pyx_mstate->__pyx_n_u_index, __pyx_mstate->__pyx_n_u_combines, __pyx_mstate->__pyx_n_u_axis, __pyx_mstate->__pyx_n_u_scratch, __pyx_mstate->__pyx_n_u_scratch_bytes, __pyx_mstate->__pyx_n_u_partial_out, __pyx_mstate->__pyx_n_u_partial_lse, __pyx_mstate->__pyx_n_u_compute, __pyx_mstate->__pyx_n_u_slab};
+    __pyx_mstate_global->__pyx_codeobj_tab[0] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_fastattn__cpu__forward_pyx, __pyx_mstate->__pyx_n_u_forward, __pyx_mstate->__pyx_kp_b_iso88591_H_U_U_U_WHHAQ_WHHAQ_AQk_A_AQk_A, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[0])) goto bad;
   }
   Py_DECREF(tuple_dedup_map);
   return 0;
@@ -9007,6 +9010,307 @@ static CYTHON_INLINE int64_t __Pyx_PyLong_As_int64_t(PyObject *x) {
     }
 }
 
+/* CIntFromPy */
+static int __Pyx_LargePyLong___Pyx_PyLong_As_int(PyObject *x);
+static int __Pyx_raise_neg_overflow___Pyx_PyLong_As_int(void) {
+    const char* type_name = "int";
+    PyErr_Format(PyExc_OverflowError,
+        "can't convert negative value to %.200s", type_name);
+    return (int) -1;
+}
+static int __Pyx_raise_overflow___Pyx_PyLong_As_int(void) {
+    const char* type_name = "int";
+    PyErr_Format(PyExc_OverflowError,
+        "value too large to convert to %.200s", type_name);
+    return (int) -1;
+}
+static CYTHON_INLINE int __Pyx_PyULong___Pyx_PyLong_As_int(PyObject *x) {
+    const int is_unsigned = 1;
+#if CYTHON_USE_PYLONG_INTERNALS
+    {
+        const digit* digits = __Pyx_PyLong_Digits(x);
+        const Py_ssize_t size = __Pyx_PyLong_DigitCount(x);
+        if (size == 2 && (8 * sizeof(int) > 1 * PyLong_SHIFT)) {
+            if ((8 * sizeof(unsigned long) > 2 * PyLong_SHIFT)) {
+                __PYX_VERIFY_RETURN_INT(int, unsigned long, (((((unsigned long)digits[1]) << PyLong_SHIFT) | (unsigned long)digits[0])))
+            } else if ((8 * sizeof(int) >= 2 * PyLong_SHIFT)) {
+                return (int) (((((int)digits[1]) << PyLong_SHIFT) | (int)digits[0]));
+            }
+        } else
+        if (size == 3 && (8 * sizeof(int) > 2 * PyLong_SHIFT)) {
+            if ((8 * sizeof(unsigned long) > 3 * PyLong_SHIFT)) {
+                __PYX_VERIFY_RETURN_INT(int, unsigned long, (((((((unsigned long)digits[2]) << PyLong_SHIFT) | (unsigned long)digits[1]) << PyLong_SHIFT) | (unsigned long)digits[0])))
+            } else if ((8 * sizeof(int) >= 3 * PyLong_SHIFT)) {
+                return (int) (((((((int)digits[2]) << PyLong_SHIFT) | (int)digits[1]) << PyLong_SHIFT) | (int)digits[0]));
+            }
+        } else
+        if (size == 4 && (8 * sizeof(int) > 3 * PyLong_SHIFT)) {
+            if ((8 * sizeof(unsigned long) > 4 * PyLong_SHIFT)) {
+                __PYX_VERIFY_RETURN_INT(int, unsigned long, (((((((((unsigned long)digits[3]) << PyLong_SHIFT) | (unsigned long)digits[2]) << PyLong_SHIFT) | (unsigned long)digits[1]) << PyLong_SHIFT) | (unsigned long)digits[0])))
+            } else if ((8 * sizeof(int) >= 4 * PyLong_SHIFT)) {
+                return (int) (((((((((int)digits[3]) << PyLong_SHIFT) | (int)digits[2]) << PyLong_SHIFT) | (int)digits[1]) << PyLong_SHIFT) | (int)digits[0]));
+            }
+        } else
+        {}
+    }
+#elif CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX < 0x030C00A7
+    if (unlikely(Py_SIZE(x) < 0)) {
+        goto raise_neg_overflow;
+    }
+#else
+    {
+        int result = PyObject_RichCompareBool(x, Py_False, Py_LT);
+        if (unlikely(result < 0))
+            return (int) -1;
+        if (unlikely(result == 1))
+            goto raise_neg_overflow;
+    }
+#endif
+    if ((sizeof(int) <= sizeof(unsigned long))) {
+        __PYX_VERIFY_RETURN_INT_EXC(int, unsigned long, PyLong_AsUnsignedLong(x))
+    } else if ((sizeof(int) <= sizeof(unsigned PY_LONG_LONG))) {
+        __PYX_VERIFY_RETURN_INT_EXC(int, unsigned PY_LONG_LONG, PyLong_AsUnsignedLongLong(x))
+    }
+    return __Pyx_LargePyLong___Pyx_PyLong_As_int(x);
+raise_neg_overflow:
+    return __Pyx_raise_neg_overflow___Pyx_PyLong_As_int();
+raise_overflow:
+    return __Pyx_raise_overflow___Pyx_PyLong_As_int();
+}
+static CYTHON_INLINE int __Pyx_PySLong___Pyx_PyLong_As_int(PyObject *x) {
+    const int is_unsigned = 0;
+#if CYTHON_USE_PYLONG_INTERNALS
+    if (__Pyx_PyLong_IsNeg(x)) {
+        const Py_ssize_t size = __Pyx_PyLong_DigitCount(x);
+        const digit* digits = __Pyx_PyLong_Digits(x);
+        if (size == 2 && (8 * sizeof(int) > 1 * PyLong_SHIFT)) {
+            if ((8 * sizeof(long) > 2 * PyLong_SHIFT)) {
+                long ival = - (long) (((((unsigned long)digits[1]) << PyLong_SHIFT) | (unsigned long)digits[0]));
+                __PYX_VERIFY_RETURN_INT(int, long, ival)
+            } else if ((8 * sizeof(int) - 1 > 2 * PyLong_SHIFT)) {
+                return (int) (((int) -1) * (((((int)digits[1]) << PyLong_SHIFT) | (int)digits[0])));
+            }
+        } else
+        if (size == 3 && (8 * sizeof(int) > 2 * PyLong_SHIFT)) {
+            if ((8 * sizeof(long) > 3 * PyLong_SHIFT)) {
+                long ival = - (long) (((((((unsigned long)digits[2]) << PyLong_SHIFT) | (unsigned long)digits[1]) << PyLong_SHIFT) | (unsigned long)digits[0]));
+                __PYX_VERIFY_RETURN_INT(int, long, ival)
+            } else if ((8 * sizeof(int) - 1 > 3 * PyLong_SHIFT)) {
+                return (int) (((int) -1) * (((((((int)digits[2]) << PyLong_SHIFT) | (int)digits[1]) << PyLong_SHIFT) | (int)digits[0])));
+            }
+        } else
+        if (size == 4 && (8 * sizeof(int) > 3 * PyLong_SHIFT)) {
+            if ((8 * sizeof(long) > 4 * PyLong_SHIFT)) {
+                long ival = - (long) (((((((((unsigned long)digits[3]) << PyLong_SHIFT) | (unsigned long)digits[2]) << PyLong_SHIFT) | (unsigned long)digits[1]) << PyLong_SHIFT) | (unsigned long)digits[0]));
+                __PYX_VERIFY_RETURN_INT(int, long, ival)
+            } else if ((8 * sizeof(int) - 1 > 4 * PyLong_SHIFT)) {
+                return (int) (((int) -1) * (((((((((int)digits[3]) << PyLong_SHIFT) | (int)digits[2]) << PyLong_SHIFT) | (int)digits[1]) << PyLong_SHIFT) | (int)digits[0])));
+            }
+        } else
+        {}
+    } else {
+        const Py_ssize_t size = __Pyx_PyLong_DigitCount(x);
+        const digit* digits = __Pyx_PyLong_Digits(x);
+        if (size == 2 && (8 * sizeof(int) > 1 * PyLong_SHIFT)) {
+            if ((8 * sizeof(long) > 2 * PyLong_SHIFT)) {
+                __PYX_VERIFY_RETURN_INT(int, unsigned long, (((((unsigned long)digits[1]) << PyLong_SHIFT) | (unsigned long)digits[0])))
+            } else if ((8 * sizeof(int) - 1 > 2 * PyLong_SHIFT)) {
+                return (int) (((((int)digits[1]) << PyLong_SHIFT) | (int)digits[0]));
+            }
+        } else
+        if (size == 3 && (8 * sizeof(int) > 2 * PyLong_SHIFT)) {
+            if ((8 * sizeof(long) > 3 * PyLong_SHIFT)) {
+                __PYX_VERIFY_RETURN_INT(int, unsigned long, (((((((unsigned long)digits[2]) << PyLong_SHIFT) | (unsigned long)digits[1]) << PyLong_SHIFT) | (unsigned long)digits[0])))
+            } else if ((8 * sizeof(int) - 1 > 3 * PyLong_SHIFT)) {
+                return (int) (((((((int)digits[2]) << PyLong_SHIFT) | (int)digits[1]) << PyLong_SHIFT) | (int)digits[0]));
+            }
+        } else
+        if (size == 4 && (8 * sizeof(int) > 3 * PyLong_SHIFT)) {
+            if ((8 * sizeof(long) > 4 * PyLong_SHIFT)) {
+                __PYX_VERIFY_RETURN_INT(int, unsigned long, (((((((((unsigned long)digits[3]) << PyLong_SHIFT) | (unsigned long)digits[2]) << PyLong_SHIFT) | (unsigned long)digits[1]) << PyLong_SHIFT) | (unsigned long)digits[0])))
+            } else if ((8 * sizeof(int) - 1 > 4 * PyLong_SHIFT)) {
+                return (int) (((((((((int)digits[3]) << PyLong_SHIFT) | (int)digits[2]) << PyLong_SHIFT) | (int)digits[1]) << PyLong_SHIFT) | (int)digits[0]));
+            }
+        } else
+        {}
+    }
+#endif
+    #if __PYX_LIMITED_VERSION_HEX >= 0x030d0000
+    if ((sizeof(int) <= sizeof(int)) && (sizeof(int) < sizeof(long))) {
+        __PYX_VERIFY_RETURN_INT_EXC(int, int, PyLong_AsInt(x))
+    } else
+    #endif
+    if ((sizeof(int) <= sizeof(long))) {
+        __PYX_VERIFY_RETURN_INT_EXC(int, long, PyLong_AsLong(x))
+    } else if ((sizeof(int) <= sizeof(PY_LONG_LONG))) {
+        __PYX_VERIFY_RETURN_INT_EXC(int, PY_LONG_LONG, PyLong_AsLongLong(x))
+    }
+    return __Pyx_LargePyLong___Pyx_PyLong_As_int(x);
+raise_neg_overflow:
+    return __Pyx_raise_neg_overflow___Pyx_PyLong_As_int();
+raise_overflow:
+    return __Pyx_raise_overflow___Pyx_PyLong_As_int();
+}
+static int __Pyx_LargePyLong___Pyx_PyLong_As_int(PyObject *x) {
+#ifdef __Pyx_HAS_GCC_DIAGNOSTIC
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wconversion"
+#endif
+    const int neg_one = (int) -1, const_zero = (int) 0;
+#ifdef __Pyx_HAS_GCC_DIAGNOSTIC
+#pragma GCC diagnostic pop
+#endif
+    const int is_unsigned = neg_one > const_zero;
+    int val;
+    int ret = -1;
+#if PY_VERSION_HEX >= 0x030d00A6 && !CYTHON_COMPILING_IN_LIMITED_API
+    Py_ssize_t bytes_copied = PyLong_AsNativeBytes(
+        x, &val, sizeof(val), Py_ASNATIVEBYTES_NATIVE_ENDIAN | (is_unsigned ? Py_ASNATIVEBYTES_UNSIGNED_BUFFER | Py_ASNATIVEBYTES_REJECT_NEGATIVE : 0));
+    if (unlikely(bytes_copied == -1)) {
+    } else if (unlikely(bytes_copied > (Py_ssize_t) sizeof(val))) {
+        goto raise_overflow;
+    } else {
+        ret = 0;
+    }
+#elif PY_VERSION_HEX < 0x030d0000 && !(CYTHON_COMPILING_IN_PYPY || CYTHON_COMPILING_IN_LIMITED_API) || defined(_PyLong_AsByteArray)
+    int one = 1; int is_little = (int)*(unsigned char *)&one;
+    unsigned char *bytes = (unsigned char *)&val;
+    ret = _PyLong_AsByteArray((PyLongObject *)x,
+                                bytes, sizeof(val),
+                                is_little, !is_unsigned);
+    if ((0)) goto raise_overflow;
+#else
+    PyObject *v;
+    PyObject *stepval = NULL, *mask = NULL, *shift = NULL;
+    int bits, remaining_bits, is_negative = 0;
+    int chunk_size = (sizeof(long) < 8) ? 30 : 62;
+    if (likely(PyLong_CheckExact(x))) {
+        v = __Pyx_NewRef(x);
+    } else {
+        v = PyNumber_Long(x);
+        if (unlikely(!v)) return (int) -1;
+        assert(PyLong_CheckExact(v));
+    }
+    {
+        int result = PyObject_RichCompareBool(v, Py_False, Py_LT);
+        if (unlikely(result < 0)) {
+            Py_DECREF(v);
+            return (int) -1;
+        }
+        is_negative = result == 1;
+    }
+    if (is_unsigned && unlikely(is_negative)) {
+        Py_DECREF(v);
+        PyErr_SetString(PyExc_OverflowError,
+            "can't convert negative value to int");
+        return (int) -1;
+    } else if (is_negative) {
+        stepval = PyNumber_Invert(v);
+        Py_DECREF(v);
+        if (unlikely(!stepval))
+            return (int) -1;
+    } else {
+        stepval = v;
+    }
+    v = NULL;
+    val = (int) 0;
+    mask = PyLong_FromLong((1L << chunk_size) - 1); if (unlikely(!mask)) goto done;
+    shift = PyLong_FromLong(chunk_size); if (unlikely(!shift)) goto done;
+    for (bits = 0; bits < (int) sizeof(int) * 8 - chunk_size; bits += chunk_size) {
+        PyObject *tmp, *digit;
+        long idigit;
+        digit = PyNumber_And(stepval, mask);
+        if (unlikely(!digit)) goto done;
+        idigit = PyLong_AsLong(digit);
+        Py_DECREF(digit);
+        if (unlikely(idigit < 0)) goto done;
+        val |= ((int) idigit) << bits;
+        tmp = PyNumber_Rshift(stepval, shift);
+        if (unlikely(!tmp)) goto done;
+        Py_DECREF(stepval); stepval = tmp;
+    }
+    Py_DECREF(shift); shift = NULL;
+    Py_DECREF(mask); mask = NULL;
+    {
+        long idigit = PyLong_AsLong(stepval);
+        if (unlikely(idigit < 0)) goto done;
+        remaining_bits = ((int) sizeof(int) * 8) - bits - (is_unsigned ? 0 : 1);
+        if (unlikely(idigit >= (1L << remaining_bits)))
+            goto raise_overflow;
+        val |= ((int) idigit) << bits;
+    }
+    if (!is_unsigned) {
+        if (unlikely(val & (((int) 1) << (sizeof(int) * 8 - 1))))
+            goto raise_overflow;
+        if (is_negative)
+            val = ~val;
+    }
+    ret = 0;
+done:
+    Py_XDECREF(shift);
+    Py_XDECREF(mask);
+    Py_XDECREF(stepval);
+#endif
+    if (unlikely(ret))
+        return (int) -1;
+    return val;
+raise_overflow:
+    return __Pyx_raise_overflow___Pyx_PyLong_As_int();
+}
+static CYTHON_INLINE int __Pyx_PyLong___Pyx_PyLong_As_int(PyObject *x) {
+#ifdef __Pyx_HAS_GCC_DIAGNOSTIC
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wconversion"
+#endif
+    const int neg_one = (int) -1, const_zero = (int) 0;
+#ifdef __Pyx_HAS_GCC_DIAGNOSTIC
+#pragma GCC diagnostic pop
+#endif
+    const int is_unsigned = neg_one > const_zero;
+    if (is_unsigned) {
+        #if CYTHON_USE_PYLONG_INTERNALS
+        if (unlikely(__Pyx_PyLong_IsNeg(x))) {
+            goto raise_neg_overflow;
+        } else if (__Pyx_PyLong_IsCompact(x)) {
+            __PYX_VERIFY_RETURN_INT(int, __Pyx_compact_upylong, __Pyx_PyLong_CompactValueUnsigned(x))
+        } else
+        #endif
+        {
+            return __Pyx_PyULong___Pyx_PyLong_As_int(x);
+        }
+    } else {
+        #if CYTHON_USE_PYLONG_INTERNALS
+        if (__Pyx_PyLong_IsCompact(x)) {
+            __PYX_VERIFY_RETURN_INT(int, __Pyx_compact_pylong, __Pyx_PyLong_CompactValue(x))
+        } else
+        #endif
+        {
+            return __Pyx_PySLong___Pyx_PyLong_As_int(x);
+        }
+    }
+#if CYTHON_USE_PYLONG_INTERNALS
+raise_neg_overflow:
+    return __Pyx_raise_neg_overflow___Pyx_PyLong_As_int();
+raise_overflow:
+    return __Pyx_raise_overflow___Pyx_PyLong_As_int();
+#endif
+}
+static int __Pyx_NonPyLong___Pyx_PyLong_As_int(PyObject *x) {
+    int val;
+    PyObject *tmp = __Pyx_PyNumber_Long(x);
+    if (!tmp) return (int) -1;
+    val = __Pyx_PyLong_As_int(tmp);
+    Py_DECREF(tmp);
+    return val;
+}
+static CYTHON_INLINE int __Pyx_PyLong_As_int(PyObject *x) {
+    if (likely(PyLong_Check(x))) {
+        return __Pyx_PyLong___Pyx_PyLong_As_int(x);
+    } else {
+        return __Pyx_NonPyLong___Pyx_PyLong_As_int(x);
+    }
+}
+
 /* PyObjectVectorcallMethodKwds (used by CIntToPy) */
 #if !CYTHON_VECTORCALL
 static PyObject *__Pyx_Object_VectorcallMethodKwds(PyObject *name, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
@@ -9476,307 +9780,6 @@ static CYTHON_INLINE PyObject* __Pyx_PyLong_From_int(int value) {
         Py_XDECREF(from_bytes_str);
         return result;
 #endif
-    }
-}
-
-/* CIntFromPy */
-static int __Pyx_LargePyLong___Pyx_PyLong_As_int(PyObject *x);
-static int __Pyx_raise_neg_overflow___Pyx_PyLong_As_int(void) {
-    const char* type_name = "int";
-    PyErr_Format(PyExc_OverflowError,
-        "can't convert negative value to %.200s", type_name);
-    return (int) -1;
-}
-static int __Pyx_raise_overflow___Pyx_PyLong_As_int(void) {
-    const char* type_name = "int";
-    PyErr_Format(PyExc_OverflowError,
-        "value too large to convert to %.200s", type_name);
-    return (int) -1;
-}
-static CYTHON_INLINE int __Pyx_PyULong___Pyx_PyLong_As_int(PyObject *x) {
-    const int is_unsigned = 1;
-#if CYTHON_USE_PYLONG_INTERNALS
-    {
-        const digit* digits = __Pyx_PyLong_Digits(x);
-        const Py_ssize_t size = __Pyx_PyLong_DigitCount(x);
-        if (size == 2 && (8 * sizeof(int) > 1 * PyLong_SHIFT)) {
-            if ((8 * sizeof(unsigned long) > 2 * PyLong_SHIFT)) {
-                __PYX_VERIFY_RETURN_INT(int, unsigned long, (((((unsigned long)digits[1]) << PyLong_SHIFT) | (unsigned long)digits[0])))
-            } else if ((8 * sizeof(int) >= 2 * PyLong_SHIFT)) {
-                return (int) (((((int)digits[1]) << PyLong_SHIFT) | (int)digits[0]));
-            }
-        } else
-        if (size == 3 && (8 * sizeof(int) > 2 * PyLong_SHIFT)) {
-            if ((8 * sizeof(unsigned long) > 3 * PyLong_SHIFT)) {
-                __PYX_VERIFY_RETURN_INT(int, unsigned long, (((((((unsigned long)digits[2]) << PyLong_SHIFT) | (unsigned long)digits[1]) << PyLong_SHIFT) | (unsigned long)digits[0])))
-            } else if ((8 * sizeof(int) >= 3 * PyLong_SHIFT)) {
-                return (int) (((((((int)digits[2]) << PyLong_SHIFT) | (int)digits[1]) << PyLong_SHIFT) | (int)digits[0]));
-            }
-        } else
-        if (size == 4 && (8 * sizeof(int) > 3 * PyLong_SHIFT)) {
-            if ((8 * sizeof(unsigned long) > 4 * PyLong_SHIFT)) {
-                __PYX_VERIFY_RETURN_INT(int, unsigned long, (((((((((unsigned long)digits[3]) << PyLong_SHIFT) | (unsigned long)digits[2]) << PyLong_SHIFT) | (unsigned long)digits[1]) << PyLong_SHIFT) | (unsigned long)digits[0])))
-            } else if ((8 * sizeof(int) >= 4 * PyLong_SHIFT)) {
-                return (int) (((((((((int)digits[3]) << PyLong_SHIFT) | (int)digits[2]) << PyLong_SHIFT) | (int)digits[1]) << PyLong_SHIFT) | (int)digits[0]));
-            }
-        } else
-        {}
-    }
-#elif CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX < 0x030C00A7
-    if (unlikely(Py_SIZE(x) < 0)) {
-        goto raise_neg_overflow;
-    }
-#else
-    {
-        int result = PyObject_RichCompareBool(x, Py_False, Py_LT);
-        if (unlikely(result < 0))
-            return (int) -1;
-        if (unlikely(result == 1))
-            goto raise_neg_overflow;
-    }
-#endif
-    if ((sizeof(int) <= sizeof(unsigned long))) {
-        __PYX_VERIFY_RETURN_INT_EXC(int, unsigned long, PyLong_AsUnsignedLong(x))
-    } else if ((sizeof(int) <= sizeof(unsigned PY_LONG_LONG))) {
-        __PYX_VERIFY_RETURN_INT_EXC(int, unsigned PY_LONG_LONG, PyLong_AsUnsignedLongLong(x))
-    }
-    return __Pyx_LargePyLong___Pyx_PyLong_As_int(x);
-raise_neg_overflow:
-    return __Pyx_raise_neg_overflow___Pyx_PyLong_As_int();
-raise_overflow:
-    return __Pyx_raise_overflow___Pyx_PyLong_As_int();
-}
-static CYTHON_INLINE int __Pyx_PySLong___Pyx_PyLong_As_int(PyObject *x) {
-    const int is_unsigned = 0;
-#if CYTHON_USE_PYLONG_INTERNALS
-    if (__Pyx_PyLong_IsNeg(x)) {
-        const Py_ssize_t size = __Pyx_PyLong_DigitCount(x);
-        const digit* digits = __Pyx_PyLong_Digits(x);
-        if (size == 2 && (8 * sizeof(int) > 1 * PyLong_SHIFT)) {
-            if ((8 * sizeof(long) > 2 * PyLong_SHIFT)) {
-                long ival = - (long) (((((unsigned long)digits[1]) << PyLong_SHIFT) | (unsigned long)digits[0]));
-                __PYX_VERIFY_RETURN_INT(int, long, ival)
-            } else if ((8 * sizeof(int) - 1 > 2 * PyLong_SHIFT)) {
-                return (int) (((int) -1) * (((((int)digits[1]) << PyLong_SHIFT) | (int)digits[0])));
-            }
-        } else
-        if (size == 3 && (8 * sizeof(int) > 2 * PyLong_SHIFT)) {
-            if ((8 * sizeof(long) > 3 * PyLong_SHIFT)) {
-                long ival = - (long) (((((((unsigned long)digits[2]) << PyLong_SHIFT) | (unsigned long)digits[1]) << PyLong_SHIFT) | (unsigned long)digits[0]));
-                __PYX_VERIFY_RETURN_INT(int, long, ival)
-            } else if ((8 * sizeof(int) - 1 > 3 * PyLong_SHIFT)) {
-                return (int) (((int) -1) * (((((((int)digits[2]) << PyLong_SHIFT) | (int)digits[1]) << PyLong_SHIFT) | (int)digits[0])));
-            }
-        } else
-        if (size == 4 && (8 * sizeof(int) > 3 * PyLong_SHIFT)) {
-            if ((8 * sizeof(long) > 4 * PyLong_SHIFT)) {
-                long ival = - (long) (((((((((unsigned long)digits[3]) << PyLong_SHIFT) | (unsigned long)digits[2]) << PyLong_SHIFT) | (unsigned long)digits[1]) << PyLong_SHIFT) | (unsigned long)digits[0]));
-                __PYX_VERIFY_RETURN_INT(int, long, ival)
-            } else if ((8 * sizeof(int) - 1 > 4 * PyLong_SHIFT)) {
-                return (int) (((int) -1) * (((((((((int)digits[3]) << PyLong_SHIFT) | (int)digits[2]) << PyLong_SHIFT) | (int)digits[1]) << PyLong_SHIFT) | (int)digits[0])));
-            }
-        } else
-        {}
-    } else {
-        const Py_ssize_t size = __Pyx_PyLong_DigitCount(x);
-        const digit* digits = __Pyx_PyLong_Digits(x);
-        if (size == 2 && (8 * sizeof(int) > 1 * PyLong_SHIFT)) {
-            if ((8 * sizeof(long) > 2 * PyLong_SHIFT)) {
-                __PYX_VERIFY_RETURN_INT(int, unsigned long, (((((unsigned long)digits[1]) << PyLong_SHIFT) | (unsigned long)digits[0])))
-            } else if ((8 * sizeof(int) - 1 > 2 * PyLong_SHIFT)) {
-                return (int) (((((int)digits[1]) << PyLong_SHIFT) | (int)digits[0]));
-            }
-        } else
-        if (size == 3 && (8 * sizeof(int) > 2 * PyLong_SHIFT)) {
-            if ((8 * sizeof(long) > 3 * PyLong_SHIFT)) {
-                __PYX_VERIFY_RETURN_INT(int, unsigned long, (((((((unsigned long)digits[2]) << PyLong_SHIFT) | (unsigned long)digits[1]) << PyLong_SHIFT) | (unsigned long)digits[0])))
-            } else if ((8 * sizeof(int) - 1 > 3 * PyLong_SHIFT)) {
-                return (int) (((((((int)digits[2]) << PyLong_SHIFT) | (int)digits[1]) << PyLong_SHIFT) | (int)digits[0]));
-            }
-        } else
-        if (size == 4 && (8 * sizeof(int) > 3 * PyLong_SHIFT)) {
-            if ((8 * sizeof(long) > 4 * PyLong_SHIFT)) {
-                __PYX_VERIFY_RETURN_INT(int, unsigned long, (((((((((unsigned long)digits[3]) << PyLong_SHIFT) | (unsigned long)digits[2]) << PyLong_SHIFT) | (unsigned long)digits[1]) << PyLong_SHIFT) | (unsigned long)digits[0])))
-            } else if ((8 * sizeof(int) - 1 > 4 * PyLong_SHIFT)) {
-                return (int) (((((((((int)digits[3]) << PyLong_SHIFT) | (int)digits[2]) << PyLong_SHIFT) | (int)digits[1]) << PyLong_SHIFT) | (int)digits[0]));
-            }
-        } else
-        {}
-    }
-#endif
-    #if __PYX_LIMITED_VERSION_HEX >= 0x030d0000
-    if ((sizeof(int) <= sizeof(int)) && (sizeof(int) < sizeof(long))) {
-        __PYX_VERIFY_RETURN_INT_EXC(int, int, PyLong_AsInt(x))
-    } else
-    #endif
-    if ((sizeof(int) <= sizeof(long))) {
-        __PYX_VERIFY_RETURN_INT_EXC(int, long, PyLong_AsLong(x))
-    } else if ((sizeof(int) <= sizeof(PY_LONG_LONG))) {
-        __PYX_VERIFY_RETURN_INT_EXC(int, PY_LONG_LONG, PyLong_AsLongLong(x))
-    }
-    return __Pyx_LargePyLong___Pyx_PyLong_As_int(x);
-raise_neg_overflow:
-    return __Pyx_raise_neg_overflow___Pyx_PyLong_As_int();
-raise_overflow:
-    return __Pyx_raise_overflow___Pyx_PyLong_As_int();
-}
-static int __Pyx_LargePyLong___Pyx_PyLong_As_int(PyObject *x) {
-#ifdef __Pyx_HAS_GCC_DIAGNOSTIC
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wconversion"
-#endif
-    const int neg_one = (int) -1, const_zero = (int) 0;
-#ifdef __Pyx_HAS_GCC_DIAGNOSTIC
-#pragma GCC diagnostic pop
-#endif
-    const int is_unsigned = neg_one > const_zero;
-    int val;
-    int ret = -1;
-#if PY_VERSION_HEX >= 0x030d00A6 && !CYTHON_COMPILING_IN_LIMITED_API
-    Py_ssize_t bytes_copied = PyLong_AsNativeBytes(
-        x, &val, sizeof(val), Py_ASNATIVEBYTES_NATIVE_ENDIAN | (is_unsigned ? Py_ASNATIVEBYTES_UNSIGNED_BUFFER | Py_ASNATIVEBYTES_REJECT_NEGATIVE : 0));
-    if (unlikely(bytes_copied == -1)) {
-    } else if (unlikely(bytes_copied > (Py_ssize_t) sizeof(val))) {
-        goto raise_overflow;
-    } else {
-        ret = 0;
-    }
-#elif PY_VERSION_HEX < 0x030d0000 && !(CYTHON_COMPILING_IN_PYPY || CYTHON_COMPILING_IN_LIMITED_API) || defined(_PyLong_AsByteArray)
-    int one = 1; int is_little = (int)*(unsigned char *)&one;
-    unsigned char *bytes = (unsigned char *)&val;
-    ret = _PyLong_AsByteArray((PyLongObject *)x,
-                                bytes, sizeof(val),
-                                is_little, !is_unsigned);
-    if ((0)) goto raise_overflow;
-#else
-    PyObject *v;
-    PyObject *stepval = NULL, *mask = NULL, *shift = NULL;
-    int bits, remaining_bits, is_negative = 0;
-    int chunk_size = (sizeof(long) < 8) ? 30 : 62;
-    if (likely(PyLong_CheckExact(x))) {
-        v = __Pyx_NewRef(x);
-    } else {
-        v = PyNumber_Long(x);
-        if (unlikely(!v)) return (int) -1;
-        assert(PyLong_CheckExact(v));
-    }
-    {
-        int result = PyObject_RichCompareBool(v, Py_False, Py_LT);
-        if (unlikely(result < 0)) {
-            Py_DECREF(v);
-            return (int) -1;
-        }
-        is_negative = result == 1;
-    }
-    if (is_unsigned && unlikely(is_negative)) {
-        Py_DECREF(v);
-        PyErr_SetString(PyExc_OverflowError,
-            "can't convert negative value to int");
-        return (int) -1;
-    } else if (is_negative) {
-        stepval = PyNumber_Invert(v);
-        Py_DECREF(v);
-        if (unlikely(!stepval))
-            return (int) -1;
-    } else {
-        stepval = v;
-    }
-    v = NULL;
-    val = (int) 0;
-    mask = PyLong_FromLong((1L << chunk_size) - 1); if (unlikely(!mask)) goto done;
-    shift = PyLong_FromLong(chunk_size); if (unlikely(!shift)) goto done;
-    for (bits = 0; bits < (int) sizeof(int) * 8 - chunk_size; bits += chunk_size) {
-        PyObject *tmp, *digit;
-        long idigit;
-        digit = PyNumber_And(stepval, mask);
-        if (unlikely(!digit)) goto done;
-        idigit = PyLong_AsLong(digit);
-        Py_DECREF(digit);
-        if (unlikely(idigit < 0)) goto done;
-        val |= ((int) idigit) << bits;
-        tmp = PyNumber_Rshift(stepval, shift);
-        if (unlikely(!tmp)) goto done;
-        Py_DECREF(stepval); stepval = tmp;
-    }
-    Py_DECREF(shift); shift = NULL;
-    Py_DECREF(mask); mask = NULL;
-    {
-        long idigit = PyLong_AsLong(stepval);
-        if (unlikely(idigit < 0)) goto done;
-        remaining_bits = ((int) sizeof(int) * 8) - bits - (is_unsigned ? 0 : 1);
-        if (unlikely(idigit >= (1L << remaining_bits)))
-            goto raise_overflow;
-        val |= ((int) idigit) << bits;
-    }
-    if (!is_unsigned) {
-        if (unlikely(val & (((int) 1) << (sizeof(int) * 8 - 1))))
-            goto raise_overflow;
-        if (is_negative)
-            val = ~val;
-    }
-    ret = 0;
-done:
-    Py_XDECREF(shift);
-    Py_XDECREF(mask);
-    Py_XDECREF(stepval);
-#endif
-    if (unlikely(ret))
-        return (int) -1;
-    return val;
-raise_overflow:
-    return __Pyx_raise_overflow___Pyx_PyLong_As_int();
-}
-static CYTHON_INLINE int __Pyx_PyLong___Pyx_PyLong_As_int(PyObject *x) {
-#ifdef __Pyx_HAS_GCC_DIAGNOSTIC
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wconversion"
-#endif
-    const int neg_one = (int) -1, const_zero = (int) 0;
-#ifdef __Pyx_HAS_GCC_DIAGNOSTIC
-#pragma GCC diagnostic pop
-#endif
-    const int is_unsigned = neg_one > const_zero;
-    if (is_unsigned) {
-        #if CYTHON_USE_PYLONG_INTERNALS
-        if (unlikely(__Pyx_PyLong_IsNeg(x))) {
-            goto raise_neg_overflow;
-        } else if (__Pyx_PyLong_IsCompact(x)) {
-            __PYX_VERIFY_RETURN_INT(int, __Pyx_compact_upylong, __Pyx_PyLong_CompactValueUnsigned(x))
-        } else
-        #endif
-        {
-            return __Pyx_PyULong___Pyx_PyLong_As_int(x);
-        }
-    } else {
-        #if CYTHON_USE_PYLONG_INTERNALS
-        if (__Pyx_PyLong_IsCompact(x)) {
-            __PYX_VERIFY_RETURN_INT(int, __Pyx_compact_pylong, __Pyx_PyLong_CompactValue(x))
-        } else
-        #endif
-        {
-            return __Pyx_PySLong___Pyx_PyLong_As_int(x);
-        }
-    }
-#if CYTHON_USE_PYLONG_INTERNALS
-raise_neg_overflow:
-    return __Pyx_raise_neg_overflow___Pyx_PyLong_As_int();
-raise_overflow:
-    return __Pyx_raise_overflow___Pyx_PyLong_As_int();
-#endif
-}
-static int __Pyx_NonPyLong___Pyx_PyLong_As_int(PyObject *x) {
-    int val;
-    PyObject *tmp = __Pyx_PyNumber_Long(x);
-    if (!tmp) return (int) -1;
-    val = __Pyx_PyLong_As_int(tmp);
-    Py_DECREF(tmp);
-    return val;
-}
-static CYTHON_INLINE int __Pyx_PyLong_As_int(PyObject *x) {
-    if (likely(PyLong_Check(x))) {
-        return __Pyx_PyLong___Pyx_PyLong_As_int(x);
-    } else {
-        return __Pyx_NonPyLong___Pyx_PyLong_As_int(x);
     }
 }
 

@@ -18,4 +18,5 @@ def forward(
     block_queries: int,
     key_tile: int,
     splits: int,
+    threads: int,
 ) -> None: ...

@@ -11,7 +11,6 @@ from cython.parallel cimport prange
 import numpy as np
 
 cdef extern from "_omp_shim.h" nogil:
-    int omp_get_max_threads()
     int omp_get_thread_num()
 
 cdef extern from "flash_forward.h" namespace "fastattn" nogil:
@@ -67,7 +66,7 @@ cdef void _strides(int64_t* dst, array, int count):
 
 def forward(q, k, v, out, lse, *, double scale, double softcap, bint causal, int64_t offset,
             int64_t window_left, int64_t window_right, mask, key_lengths,
-            int64_t block_queries, int64_t key_tile, int64_t splits):
+            int64_t block_queries, int64_t key_tile, int64_t splits, int threads):
     """Run the flash forward on (B, H, S, D)-ordered numpy arrays, writing ``out`` and ``lse``.
 
     Parameters
@@ -93,10 +92,12 @@ def forward(q, k, v, out, lse, *, double scale, double softcap, bint causal, int
         C-contiguous int64 (B,).
     block_queries, key_tile, splits : int
         Query positions per work item, keys per tile, key splits per item (decode).
+    threads : int
+        OpenMP threads for the parallel regions (capped at the number of work items).
     """
     cdef FwdParams p
     cdef int64_t items, index, combines
-    cdef int threads, axis
+    cdef int axis
     cdef char* scratch
     cdef size_t scratch_bytes
     p.q = <const char*> _address(q)
@@ -146,7 +147,7 @@ def forward(q, k, v, out, lse, *, double scale, double softcap, bint causal, int
         p.partial_lse = <char*> _address(partial_lse)
 
     items = fa_forward_items(&p)
-    threads = max(1, min(omp_get_max_threads(), items))
+    threads = max(1, min(threads, items))
     # One scratch slab per thread, 64-byte apart, allocated here so that a failure is a MemoryError.
     scratch_bytes = (fa_forward_scratch_bytes(&p) + 63) // 64 * 64
     slab = np.empty(threads * scratch_bytes + 64, dtype=np.uint8)

@@ -445,8 +445,26 @@ static void forward_block_dot(const FwdParams& p, T* scratch, int64_t b, int64_t
             }
         }
 
-        /* Scores: one dot product per (row, key), vectors along D. */
-        for (int64_t j = 0; j < n; ++j) {
+        /* Scores: dot products along D.  Full blocks of L keys keep L accumulators per row and
+         * reduce them together (reduce_lanes); the rest take one horizontal sum per score. */
+        int64_t j_done = 0;
+        if (d_main == D) {
+            const int* lane_key = reduced_lane_key<T>();
+            for (; j_done + L <= n; j_done += L) {
+                const T* keys = k_rows + j_done * k_row_stride;
+                for (int r = 0; r < R; ++r) {
+                    V acc[L];
+                    for (int jj = 0; jj < L; ++jj) acc[jj] = V{};
+                    for (int64_t d = 0; d < D; d += L) {
+                        const V qv = vload<V>(q + r * D + d);
+                        for (int jj = 0; jj < L; ++jj) acc[jj] += vload<V>(keys + jj * k_row_stride + d) * qv;
+                    }
+                    const V sums = reduce_lanes<T>(acc);
+                    for (int lane = 0; lane < L; ++lane) s[r * N + j_done + lane_key[lane]] = sums[lane];
+                }
+            }
+        }
+        for (int64_t j = j_done; j < n; ++j) {
             const T* key = k_rows + j * k_row_stride;
             V acc[R];
             for (int r = 0; r < R; ++r) acc[r] = V{};
@@ -461,10 +479,15 @@ static void forward_block_dot(const FwdParams& p, T* scratch, int64_t b, int64_t
             }
         }
 
+        /* Per-element work only where this tile needs it (same edge tests as forward_block). */
+        const bool edges = (p.causal && kt + n - 1 > first_pos) ||
+                           (p.window_left >= 0 && kt < last_pos - p.window_left) ||
+                           (p.window_right >= 0 && kt + n - 1 > first_pos + p.window_right);
+        const bool elementwise = edges || softcap || p.mask_kind != MASK_NONE;
         for (int r = 0; r < R; ++r) {
             T* row = s + r * N;
             const int64_t base = b * p.mask_stride[0] + head[r] * p.mask_stride[1] + query[r] * p.mask_stride[2];
-            for (int64_t j = 0; j < n; ++j) {
+            for (int64_t j = 0; elementwise && j < n; ++j) {
                 T score = row[j];
                 if (softcap) score = (T)p.softcap * std::tanh(score / (T)p.softcap);
                 const T key = (T)(kt + j);
@@ -480,14 +503,19 @@ static void forward_block_dot(const FwdParams& p, T* scratch, int64_t b, int64_t
             }
             /* Online softmax along the keys of this row. */
             T tile_max = neg_inf;
-            for (int64_t j = 0; j < n; ++j) tile_max = std::max(tile_max, row[j]);
+            int64_t j = 0;
+            if (n >= L) {
+                V lane_max = vload<V>(row);
+                for (j = L; j + L <= n; j += L) lane_max = vmax(lane_max, vload<V>(row + j));
+                for (int lane = 0; lane < L; ++lane) tile_max = std::max(tile_max, lane_max[lane]);
+            }
+            for (; j < n; ++j) tile_max = std::max(tile_max, row[j]);
             const T new_max = std::max(row_max[r], tile_max);
             const T shift = new_max == neg_inf ? T(0) : new_max;
             const T alpha = row_max[r] == neg_inf ? T(0) : std::exp(row_max[r] - shift);
             const V vshift = vbroadcast(shift);
             V total = V{};
-            int64_t j = 0;
-            for (; j + L <= n; j += L) {
+            for (j = 0; j + L <= n; j += L) {
                 const V prob = vexp(vload<V>(row + j) - vshift);
                 vstore(row + j, prob);
                 total += prob;

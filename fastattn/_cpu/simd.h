@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 
 #if defined(__AVX512F__)
 #define FASTATTN_VECTOR_BYTES 64
@@ -56,6 +57,62 @@ template <typename T> static inline T vsum(typename Vec<T>::type v) {
     T total = 0;
     for (int i = 0; i < Vec<T>::lanes; ++i) total += v[i];
     return total;
+}
+
+/* ---- sums of L vectors at once (transpose-reduce) -------------------------------------------
+ *
+ * reduce_lanes(x) turns L vectors x[0..L-1] into one vector whose lanes are their L lane sums,
+ * in L - 1 "folds" instead of L horizontal sums: each fold adds the lower and upper halves of
+ * every segment of two vectors, so segment width halves while the number of vectors halves.
+ * The result's lane order is a fixed permutation, `reduced_lane_key<T>()[lane]` = source vector. */
+template <int L, int W, int HIGH, int I> constexpr int fold_index() {
+    return ((I / (W / 2)) % 2) * L + ((I / (W / 2)) / 2) * W + I % (W / 2) + (HIGH ? W / 2 : 0);
+}
+
+template <typename V, int L, int W, int HIGH, int... I>
+static inline V fold_pick(V a, V b, std::integer_sequence<int, I...>) {
+    return __builtin_shufflevector(a, b, fold_index<L, W, HIGH, I>()...);
+}
+
+template <typename V, int L, int W> struct FoldLevels {
+    static inline void run(V* x) {
+        using Lanes = std::make_integer_sequence<int, L>;
+        for (int i = 0; i < W / 2; ++i)
+            x[i] = fold_pick<V, L, W, 0>(x[2 * i], x[2 * i + 1], Lanes{}) +
+                   fold_pick<V, L, W, 1>(x[2 * i], x[2 * i + 1], Lanes{});
+        FoldLevels<V, L, W / 2>::run(x);
+    }
+};
+template <typename V, int L> struct FoldLevels<V, L, 1> {
+    static inline void run(V*) {}
+};
+
+template <typename T> static inline typename Vec<T>::type reduce_lanes(typename Vec<T>::type* x) {
+    FoldLevels<typename Vec<T>::type, Vec<T>::lanes, Vec<T>::lanes>::run(x);
+    return x[0];
+}
+
+/* Which input vector each lane of reduce_lanes' result sums (computed by replaying the folds). */
+template <typename T> static inline const int* reduced_lane_key() {
+    constexpr int L = Vec<T>::lanes;
+    struct Table {
+        int key[L];
+        Table() {
+            int segment_key[L][L]; /* [vector][segment] */
+            for (int v = 0; v < L; ++v) segment_key[v][0] = v;
+            for (int width = L, count = L; width > 1; width /= 2, count /= 2) {
+                const int segments = L / width;
+                for (int i = 0; i < count / 2; ++i) {
+                    int merged[L];
+                    for (int t = 0; t < 2 * segments; ++t) merged[t] = segment_key[2 * i + t % 2][t / 2];
+                    for (int t = 0; t < 2 * segments; ++t) segment_key[i][t] = merged[t];
+                }
+            }
+            for (int lane = 0; lane < L; ++lane) key[lane] = segment_key[0][lane];
+        }
+    };
+    static const Table table;
+    return table.key;
 }
 
 /* Bitwise select: lanes of a where mask is all ones, else b (mask from a vector comparison). */

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import _arrays
+from .. import _arrays, _threads
 from .._cpu import _forward, _runtime
 from .._problem import AttentionExtras, AttentionProblem
 from .registry import UnsupportedError
@@ -29,7 +29,7 @@ DECODE_MAX_QUERIES = 16
 
 def build_summary() -> str:
     """Return e.g. ``"OpenMP 201511, 2 threads"`` or ``"serial build (no OpenMP), 1 thread"``."""
-    threads = _runtime.max_threads()
+    threads = _threads.get_num_threads()
     plural = "thread" if threads == 1 else "threads"
     if _runtime.openmp_enabled():
         return f"OpenMP {_runtime.openmp_version()}, {threads} {plural}"
@@ -76,7 +76,8 @@ class CpuBackend:
             np, (problem.batch, problem.heads_q, problem.seq_q, problem.head_dim_v), q.dtype, problem.layout
         )
         lse = np.empty((problem.batch, problem.heads_q, problem.seq_q), _arrays.accumulation_dtype(problem.dtype))
-        block_queries, splits = plan(problem, _runtime.max_threads())
+        threads = _threads.get_num_threads()
+        block_queries, splits = plan(problem, threads)
         left, right = problem.window if problem.window is not None else (-1, -1)
         _forward.forward(
             q,
@@ -95,6 +96,7 @@ class CpuBackend:
             block_queries=block_queries,
             key_tile=KEY_TILE,
             splits=splits,
+            threads=threads,
         )
         return out, lse
 

@@ -1,0 +1,131 @@
+"""The cpu backend's own guarantees: thread control, the split-KV decode path, bounded memory."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import fastattn
+from fastattn.backends import cpu as cpu_backend
+
+pytestmark = pytest.mark.skipif(
+    not fastattn.backends.available()["cpu"].available, reason="the cpu backend is unavailable"
+)
+
+
+@pytest.fixture
+def threads():
+    """Restore the thread count after a test changes it."""
+    before = fastattn.get_num_threads()
+    yield
+    fastattn.set_num_threads(before)
+
+
+@pytest.mark.parametrize("bad", [0, -2])
+def test_set_num_threads_rejects_counts_below_one(bad: int) -> None:
+    with pytest.raises(ValueError, match="^n:"):
+        fastattn.set_num_threads(bad)
+
+
+@pytest.mark.parametrize("bad", [1.5, "2", True, None])
+def test_set_num_threads_rejects_non_integers(bad) -> None:
+    with pytest.raises(TypeError, match="^n:"):
+        fastattn.set_num_threads(bad)
+
+
+def test_thread_count_changes_nothing_but_speed(threads) -> None:
+    """Each work item is computed by one thread, so the forward is bit-identical at any count."""
+    rng = np.random.default_rng()
+    q = rng.standard_normal((2, 8, 300, 64), dtype=np.float32)
+    k = rng.standard_normal((2, 2, 280, 64), dtype=np.float32)
+    v = rng.standard_normal((2, 2, 280, 48), dtype=np.float32)
+    results = []
+    for count in (1, 2, 3):
+        fastattn.set_num_threads(count)
+        assert fastattn.get_num_threads() == count
+        results.append(fastattn.attention(q, k, v, causal="bottom_right", backend="cpu", return_lse=True))
+    for out, lse in results[1:]:
+        assert np.array_equal(out, results[0][0]) and np.array_equal(lse, results[0][1])
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seq_q=st.integers(1, cpu_backend.DECODE_MAX_QUERIES),
+    seq_k=st.integers(1, 1500),
+    group=st.sampled_from([1, 2, 4, 8]),
+    threads_count=st.integers(1, 6),
+    causal=st.sampled_from([False, "bottom_right"]),
+    window=st.one_of(st.none(), st.tuples(st.integers(-1, 700), st.just(0))),
+    with_lengths=st.booleans(),
+    dtype=st.sampled_from(["float32", "float64"]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_decode_split_keys_match_reference(
+    seq_q, seq_k, group, threads_count, causal, window, with_lengths, dtype, seed
+) -> None:
+    """Few (batch, kv head) items and many keys: the keys are split across threads and merged."""
+    before = fastattn.get_num_threads()
+    fastattn.set_num_threads(threads_count)
+    try:
+        rng = np.random.default_rng(seed)
+        q = rng.standard_normal((1, group, seq_q, 64)).astype(dtype)
+        k = rng.standard_normal((1, 1, seq_k, 64)).astype(dtype)
+        v = rng.standard_normal((1, 1, seq_k, 32)).astype(dtype)
+        lengths = np.array([rng.integers(0, seq_k + 1)]) if with_lengths else None
+        options = {"causal": causal, "window": window, "key_lengths": lengths}
+        problem = fastattn.explain(q, k, v, **options).problem
+        out, lse = fastattn.attention(q, k, v, backend="cpu", return_lse=True, **options)
+        ref_out, ref_lse = fastattn.attention(
+            *(x.astype(np.float64) for x in (q, k, v)), backend="reference", return_lse=True, **options
+        )
+    finally:
+        fastattn.set_num_threads(before)
+    tolerance = 1e-10 if dtype == "float64" else 1e-5
+    assert cpu_backend.plan(problem, threads_count)[0] == seq_q
+    scale = max(np.linalg.norm(ref_out), 1e-300)
+    assert np.linalg.norm(out - ref_out) / scale <= tolerance
+    assert np.array_equal(np.isneginf(lse), np.isneginf(ref_lse))
+    finite = np.isfinite(ref_lse)
+    assert np.allclose(lse[finite], ref_lse[finite], rtol=tolerance, atol=tolerance)
+    assert np.all(out[np.isneginf(ref_lse)] == 0)
+
+
+def test_plan_splits_keys_only_when_threads_would_idle() -> None:
+    def problem(batch, heads_kv, seq_q, seq_k):
+        q = np.zeros((batch, heads_kv * 4, seq_q, 16), np.float32)
+        k = np.zeros((batch, heads_kv, seq_k, 16), np.float32)
+        return fastattn.explain(q, k, k).problem
+
+    assert cpu_backend.plan(problem(8, 8, 1, 4096), 2) == (1, 1)
+    assert cpu_backend.plan(problem(1, 1, 1, 4096), 8)[1] == 16
+    assert cpu_backend.plan(problem(1, 1, 1, 10), 8)[1] == 1
+    assert cpu_backend.plan(problem(1, 2, 512, 512), 2) == (cpu_backend.TILE_ROWS // 4, 1)
+
+
+_MEMORY_PROBE = r"""
+import json, resource, sys
+import numpy as np
+import fastattn
+heads, seq, dim = 8, 8192, 64
+rng = np.random.default_rng(0)
+q, k, v = (rng.standard_normal((1, heads, seq, dim), dtype=np.float32) for _ in range(3))
+small = fastattn.attention(q[:, :, :64], k[:, :, :64], v[:, :, :64], causal=True, backend="cpu")
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+out = fastattn.attention(q, k, v, causal=True, backend="cpu")
+after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print(json.dumps({"extra_kib": after - before, "out_kib": out.nbytes // 1024}))
+"""
+
+
+def test_forward_memory_is_independent_of_seq_q_times_seq_k() -> None:
+    """An 8-head 8192x8192 causal forward: scores would need 2 GiB; extra memory stays < 64 MiB."""
+    result = subprocess.run([sys.executable, "-c", _MEMORY_PROBE], capture_output=True, text=True, check=True)
+    measured = json.loads(result.stdout.strip().splitlines()[-1])
+    extra_mib = (measured["extra_kib"] - measured["out_kib"]) / 1024
+    assert extra_mib < 64, f"{extra_mib:.1f} MiB beyond the output"
