@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 from . import backends
+from ._threads import get_num_threads, set_num_threads
 from .backends.registry import UnsupportedError, use_backend
 from .functional import attention, attention_backward, explain, scaled_dot_product_attention
 
@@ -21,6 +22,8 @@ __all__ = [
     "attention_backward",
     "backends",
     "explain",
+    "get_num_threads",
     "scaled_dot_product_attention",
+    "set_num_threads",
     "use_backend",
 ]
