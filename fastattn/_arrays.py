@@ -181,9 +181,15 @@ def namespace(native: Any) -> ModuleType:
     return np if isinstance(native, np.ndarray) else _cupy()
 
 
+_DTYPE_NAMES: dict[Any, str] = {}
+
+
 def dtype_name(dtype: Any) -> str:
     """Return the canonical name of a numpy/CuPy dtype (``"bfloat16"`` for ml_dtypes')."""
-    return np.dtype(dtype).name
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = np.dtype(dtype).name
+    return name
 
 
 def numpy_dtype(name: str) -> np.dtype:

@@ -8,6 +8,7 @@ split keys) merges the partial results.  The arithmetic lives in ``flash_forward
 from libc.stdint cimport int64_t
 from cython.parallel cimport prange
 
+import ml_dtypes
 import numpy as np
 
 cdef extern from "_omp_shim.h" nogil:
@@ -50,8 +51,15 @@ cdef extern from "flash_forward.h" nogil:
     void fa_forward_item(const FwdParams* p, char* scratch, int64_t item)
     void fa_forward_combine(const FwdParams* p, int64_t index)
 
-_DTYPE_CODES = {"float32": 0, "float64": 1, "float16": 2, "bfloat16": 3}
-_MASK_CODES = {"bool": 1, "float32": 2, "float64": 3, "float16": 4, "bfloat16": 5}
+_BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+_DTYPE_CODES = {np.dtype(np.float32): 0, np.dtype(np.float64): 1, np.dtype(np.float16): 2, _BFLOAT16: 3}
+_MASK_CODES = {
+    np.dtype(np.bool_): 1,
+    np.dtype(np.float32): 2,
+    np.dtype(np.float64): 3,
+    np.dtype(np.float16): 4,
+    _BFLOAT16: 5,
+}
 
 
 cdef inline size_t _address(array):
@@ -114,7 +122,7 @@ def forward(q, k, v, out, lse, *, double scale, double softcap, bint causal, int
     p.heads_kv, p.seq_k = k.shape[1], k.shape[2]
     p.head_dim_v = v.shape[3]
     p.group = p.heads_q // p.heads_kv
-    p.dtype = _DTYPE_CODES[q.dtype.name]
+    p.dtype = _DTYPE_CODES[q.dtype]
     p.scale = scale
     p.softcap = softcap
     p.causal = causal
@@ -125,7 +133,7 @@ def forward(q, k, v, out, lse, *, double scale, double softcap, bint causal, int
     p.mask_kind = 0
     if mask is not None:
         p.mask = <const char*> _address(mask)
-        p.mask_kind = _MASK_CODES[mask.dtype.name]
+        p.mask_kind = _MASK_CODES[mask.dtype]
         _strides(p.mask_stride, mask, 4)
         for axis in range(4):
             if mask.shape[axis] == 1:

@@ -22,7 +22,7 @@ _BACKWARD_NOT_YET = "the fused CPU backward is not built yet (issue #5); the ref
 
 #: Query rows (all heads of a GQA group together) per work item; keys per tile.
 TILE_ROWS = 64
-KEY_TILE = 64
+KEY_TILE = 128
 #: At most this many query positions take the decode path (one tile, keys split across threads).
 DECODE_MAX_QUERIES = 16
 
