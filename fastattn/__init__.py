@@ -8,7 +8,7 @@
 
 from __future__ import annotations
 
-from . import backends
+from . import backends, nn
 from ._threads import get_num_threads, set_num_threads
 from .backends.registry import UnsupportedError, use_backend
 from .functional import attention, attention_backward, explain, scaled_dot_product_attention
@@ -23,6 +23,7 @@ __all__ = [
     "backends",
     "explain",
     "get_num_threads",
+    "nn",
     "scaled_dot_product_attention",
     "set_num_threads",
     "use_backend",
