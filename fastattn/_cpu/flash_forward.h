@@ -196,13 +196,79 @@ template <typename T> static inline T mask_value(const FwdParams& p, int64_t ele
     }
 }
 
+/* Keys in [k_begin, k_end) that some query of positions q0..q0+qn-1 can see: cut by key_lengths,
+ * causal and window, so that tiles nobody sees are never visited. */
+static inline void visible_keys(const FwdParams& p, int64_t b, int64_t q0, int64_t qn, int64_t k_begin,
+                                int64_t k_end, int64_t* lo, int64_t* hi) {
+    const int64_t first_pos = q0 + p.offset, last_pos = q0 + qn - 1 + p.offset;
+    *lo = k_begin;
+    *hi = std::min(k_end, p.key_lengths ? p.key_lengths[b] : p.seq_k);
+    if (p.causal) *hi = std::min(*hi, last_pos + 1);
+    if (p.window_left >= 0) *lo = std::max(*lo, first_pos - p.window_left);
+    if (p.window_right >= 0) *hi = std::min(*hi, last_pos + p.window_right + 1);
+}
+
+/* ---- scores: softcap, causal/window edges, mask arrays ----------------------------------------- */
+
+/* Finish a transposed score tile S[j][rows] (n keys from kt, rows of query block q0..q0+qn):
+ * softcap (its derivative 1 - tanh^2 saved to cap_grad when given, for the backward), then -inf
+ * wherever a key is hidden by causal/window (only on tiles that straddle an edge) or by the mask
+ * array, and the float mask added. */
+template <typename T>
+static void finish_scores(const FwdParams& p, T* s, T* cap_grad, int64_t mp, int64_t rows, int64_t n, int64_t kt,
+                          int64_t b, int64_t kvh, int64_t q0, int64_t qn, const T* position) {
+    typedef typename Vec<T>::type V;
+    typedef typename Vec<T>::itype I;
+    constexpr int L = Vec<T>::lanes;
+    const T neg_inf = -std::numeric_limits<T>::infinity();
+    if (p.softcap > 0) {
+        const V c = vbroadcast((T)p.softcap), ic = vbroadcast((T)(1.0 / p.softcap));
+        for (int64_t e = 0; e < n * mp; e += L) {
+            const V t = vtanh(vload<V>(s + e) * ic);
+            vstore(s + e, c * t);
+            if (cap_grad) vstore(cap_grad + e, T(1) - t * t);
+        }
+    }
+    const int64_t first_pos = q0 + p.offset, last_pos = q0 + qn - 1 + p.offset;
+    const bool causal_edge = p.causal && kt + n - 1 > first_pos;
+    const bool left_edge = p.window_left >= 0 && kt < last_pos - p.window_left;
+    const bool right_edge = p.window_right >= 0 && kt + n - 1 > first_pos + p.window_right;
+    if (causal_edge || left_edge || right_edge) {
+        const V minus_infinity = vbroadcast(neg_inf);
+        const V left = vbroadcast((T)p.window_left), right = vbroadcast((T)p.window_right);
+        for (int64_t j = 0; j < n; ++j) {
+            const V key = vbroadcast((T)(kt + j));
+            for (int64_t r = 0; r < mp; r += L) {
+                const V pos = vload<V>(position + r);
+                I visible = key == key;
+                if (causal_edge) visible &= key <= pos;
+                if (left_edge) visible &= key >= pos - left;
+                if (right_edge) visible &= key <= pos + right;
+                vstore(s + j * mp + r, vselect(visible, vload<V>(s + j * mp + r), minus_infinity));
+            }
+        }
+    }
+    if (p.mask_kind != MASK_NONE) {
+        const int64_t G = p.group;
+        for (int64_t r = 0; r < rows; ++r) {
+            const int64_t g = r / qn, i = q0 + r % qn, h = kvh * G + g;
+            const int64_t base = b * p.mask_stride[0] + h * p.mask_stride[1] + i * p.mask_stride[2];
+            for (int64_t j = 0; j < n; ++j) {
+                bool visible = true;
+                const T added = mask_value<T>(p, base + (kt + j) * p.mask_stride[3], &visible);
+                T& score = s[j * mp + r];
+                score = visible ? score + added : neg_inf;
+            }
+        }
+    }
+}
+
 /* ---- one work item ----------------------------------------------------------------------------- */
 
 template <typename T, typename In, int NV>
 static void forward_block(const FwdParams& p, T* scratch, int64_t b, int64_t kvh, int64_t q0, int64_t qn,
                           int64_t k_begin, int64_t k_end, T* partial_out, T* partial_lse) {
     typedef typename Vec<T>::type V;
-    typedef typename Vec<T>::itype I;
     constexpr int L = Vec<T>::lanes;
     constexpr int64_t RB = NV * L;
     const T neg_inf = -std::numeric_limits<T>::infinity();
@@ -237,15 +303,8 @@ static void forward_block(const FwdParams& p, T* scratch, int64_t b, int64_t kvh
     }
     std::memset(o, 0, sizeof(T) * Dv * mp);
 
-    /* Keys any row of this item can see. */
-    const int64_t first_pos = q0 + p.offset, last_pos = q0 + qn - 1 + p.offset;
-    int64_t lo = k_begin, hi = std::min(k_end, p.key_lengths ? p.key_lengths[b] : p.seq_k);
-    if (p.causal) hi = std::min(hi, last_pos + 1);
-    if (p.window_left >= 0) lo = std::max(lo, first_pos - p.window_left);
-    if (p.window_right >= 0) hi = std::min(hi, last_pos + p.window_right + 1);
-
-    const bool softcap = p.softcap > 0;
-    const T cap = (T)p.softcap, inverse_cap = softcap ? (T)(1.0 / p.softcap) : T(0);
+    int64_t lo, hi;
+    visible_keys(p, b, q0, qn, k_begin, k_end, &lo, &hi);
 
     for (int64_t kt = lo; kt < hi; kt += N) {
         const int64_t n = std::min(N, hi - kt);
@@ -287,43 +346,7 @@ static void forward_block(const FwdParams& p, T* scratch, int64_t b, int64_t kvh
         for (int64_t rb = 0; rb < mp; rb += RB)
             Blocked<T, NV>::qk_all(n, k_rows, k_row_stride, qp + rb * D, D, s + rb, mp);
 
-        if (softcap) {
-            const V c = vbroadcast(cap), ic = vbroadcast(inverse_cap);
-            for (int64_t e = 0; e < n * mp; e += L) vstore(s + e, c * vtanh(vload<V>(s + e) * ic));
-        }
-
-        /* Causal and window edges: only on tiles that straddle one. */
-        const bool causal_edge = p.causal && kt + n - 1 > first_pos;
-        const bool left_edge = p.window_left >= 0 && kt < last_pos - p.window_left;
-        const bool right_edge = p.window_right >= 0 && kt + n - 1 > first_pos + p.window_right;
-        if (causal_edge || left_edge || right_edge) {
-            const V minus_infinity = vbroadcast(neg_inf);
-            const V left = vbroadcast((T)p.window_left), right = vbroadcast((T)p.window_right);
-            for (int64_t j = 0; j < n; ++j) {
-                const V key = vbroadcast((T)(kt + j));
-                for (int64_t r = 0; r < mp; r += L) {
-                    const V pos = vload<V>(position + r);
-                    I visible = key == key;
-                    if (causal_edge) visible &= key <= pos;
-                    if (left_edge) visible &= key >= pos - left;
-                    if (right_edge) visible &= key <= pos + right;
-                    vstore(s + j * mp + r, vselect(visible, vload<V>(s + j * mp + r), minus_infinity));
-                }
-            }
-        }
-
-        if (p.mask_kind != MASK_NONE) {
-            for (int64_t r = 0; r < rows; ++r) {
-                const int64_t g = r / qn, i = q0 + r % qn, h = kvh * G + g;
-                const int64_t base = b * p.mask_stride[0] + h * p.mask_stride[1] + i * p.mask_stride[2];
-                for (int64_t j = 0; j < n; ++j) {
-                    bool visible = true;
-                    const T added = mask_value<T>(p, base + (kt + j) * p.mask_stride[3], &visible);
-                    T& score = s[j * mp + r];
-                    score = visible ? score + added : neg_inf;
-                }
-            }
-        }
+        finish_scores<T>(p, s, nullptr, mp, rows, n, kt, b, kvh, q0, qn, position);
 
         /* Online softmax, vectorised over rows. */
         for (int64_t r = 0; r < mp; r += L) {
@@ -407,10 +430,8 @@ static void forward_block_dot(const FwdParams& p, T* scratch, int64_t b, int64_t
     std::memset(o, 0, sizeof(T) * R * Dv);
 
     const int64_t first_pos = q0 + p.offset, last_pos = q0 + qn - 1 + p.offset;
-    int64_t lo = k_begin, hi = std::min(k_end, p.key_lengths ? p.key_lengths[b] : p.seq_k);
-    if (p.causal) hi = std::min(hi, last_pos + 1);
-    if (p.window_left >= 0) lo = std::max(lo, first_pos - p.window_left);
-    if (p.window_right >= 0) hi = std::min(hi, last_pos + p.window_right + 1);
+    int64_t lo, hi;
+    visible_keys(p, b, q0, qn, k_begin, k_end, &lo, &hi);
     const bool softcap = p.softcap > 0;
 
     for (int64_t kt = lo; kt < hi; kt += N) {
