@@ -1,4 +1,4 @@
-"""The cpu backend's own guarantees: thread control, the split-KV decode path, bounded memory."""
+"""The cpu backend's own guarantees: thread control, determinism, the split-KV decode path, bounded memory."""
 
 from __future__ import annotations
 
@@ -52,6 +52,22 @@ def test_thread_count_changes_nothing_but_speed(threads) -> None:
         results.append(fastattn.attention(q, k, v, causal="bottom_right", backend="cpu", return_lse=True))
     for out, lse in results[1:]:
         assert np.array_equal(out, results[0][0]) and np.array_equal(lse, results[0][1])
+
+
+def test_backward_is_bit_identical_at_any_thread_count(threads) -> None:
+    """Every gradient element is written by one work item in a fixed order: no thread races."""
+    rng = np.random.default_rng()
+    q = rng.standard_normal((2, 8, 200, 64), dtype=np.float32)
+    k = rng.standard_normal((2, 2, 230, 64), dtype=np.float32)
+    v = rng.standard_normal((2, 2, 230, 32), dtype=np.float32)
+    out, lse = fastattn.attention(q, k, v, causal="bottom_right", return_lse=True, backend="cpu")
+    dout = rng.standard_normal(out.shape, dtype=np.float32)
+    results = []
+    for count in (1, 2, 3, 2):
+        fastattn.set_num_threads(count)
+        results.append(fastattn.attention_backward(dout, q, k, v, out, lse, causal="bottom_right", backend="cpu"))
+    for grads in results[1:]:
+        assert all(np.array_equal(a, b) for a, b in zip(grads, results[0]))
 
 
 @settings(max_examples=60, deadline=None)

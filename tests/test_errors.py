@@ -415,17 +415,6 @@ def test_explicit_backend_that_declines_raises_with_reasons(api: str, layout: st
     assert declining_backend in str(error) and _DECLINE_REASON in str(error)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_explicit_cpu_backward_declines_until_its_kernel_lands(layout: str) -> None:
-    """The cpu backend runs the forward; its backward (issue #5) is declined with a reason."""
-    a = _valid_call(layout)
-    if fastattn.explain(a["q"], a["k"], a["v"], layout=layout).backward_reasons["cpu"] == []:
-        pytest.skip("the cpu backend runs the backward now")
-    a["kw"]["backend"] = "cpu"
-    error = expect_error(fastattn.UnsupportedError, None, _run, "attention_backward", a)
-    assert error.reasons and all(reason in str(error) for reason in error.reasons)
-
-
 def _qkv(layout: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     a = _valid_call(layout)
     return a["q"], a["k"], a["v"]

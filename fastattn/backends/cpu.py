@@ -1,9 +1,8 @@
-"""The ``cpu`` backend: Cython + OpenMP flash attention on numpy arrays.
+"""The ``cpu`` backend: Cython + OpenMP flash attention on numpy arrays, forward and backward.
 
-The forward (and the decode path, Sq <= 16 with split keys) runs in ``fastattn._cpu._forward``;
-see ``fastattn/_cpu/flash_forward.h`` for the algorithm and tile sizes.  The fused CPU backward is
-issue #5: until it lands this backend declines the backward with that reason, so automatic
-selection runs the backward on the reference and ``explain`` says so.
+The kernels live in ``fastattn._cpu._flash``: see ``fastattn/_cpu/flash_forward.h`` (forward and
+the decode path, Sq <= 16 with split keys) and ``fastattn/_cpu/flash_backward.h`` for the
+algorithms and tile sizes.  Every contract feature is handled inside the kernels.
 """
 
 from __future__ import annotations
@@ -14,11 +13,8 @@ from typing import Any
 import numpy as np
 
 from .. import _arrays, _threads
-from .._cpu import _forward, _runtime
+from .._cpu import _flash, _runtime
 from .._problem import AttentionExtras, AttentionProblem
-from .registry import UnsupportedError
-
-_BACKWARD_NOT_YET = "the fused CPU backward is not built yet (issue #5); the reference runs it"
 
 #: Query rows (all heads of a GQA group together) per work item; keys per tile.
 TILE_ROWS = 64
@@ -65,8 +61,8 @@ class CpuBackend:
         return f"Cython kernels, {build_summary()}"
 
     def not_supported_reasons(self, problem: AttentionProblem) -> list[str]:
-        """Every forward problem on the host runs; the backward waits for issue #5."""
-        return [_BACKWARD_NOT_YET] if problem.direction == "backward" else []
+        """Every valid problem on the host runs here (the registry checks the device)."""
+        return []
 
     def forward(
         self, problem: AttentionProblem, q: Any, k: Any, v: Any, extras: AttentionExtras
@@ -79,7 +75,7 @@ class CpuBackend:
         threads = _threads.get_num_threads()
         block_queries, splits = plan(problem, threads)
         left, right = problem.window if problem.window is not None else (-1, -1)
-        _forward.forward(
+        _flash.forward(
             q,
             k,
             v,
@@ -111,5 +107,27 @@ class CpuBackend:
         lse: Any,
         extras: AttentionExtras,
     ) -> tuple[Any, Any, Any]:
-        """Not built yet: raises :class:`UnsupportedError` (selection never routes here)."""
-        raise UnsupportedError("backend 'cpu' cannot run the backward", [_BACKWARD_NOT_YET])
+        """Return ``(dq, dk, dv)`` computed by the flash backward (deterministic at any thread count)."""
+        grads = tuple(_arrays.empty_bhsd(np, x.shape, x.dtype, problem.layout) for x in (q, k, v))
+        left, right = problem.window if problem.window is not None else (-1, -1)
+        _flash.backward(
+            dout,
+            q,
+            k,
+            v,
+            out,
+            lse,
+            *grads,
+            scale=problem.scale,
+            softcap=problem.softcap or 0.0,
+            causal=problem.causal is not None,
+            offset=problem.key_offset,
+            window_left=left,
+            window_right=right,
+            mask=extras.mask,
+            key_lengths=extras.key_lengths,
+            block_queries=max(1, TILE_ROWS // problem.group_size),
+            key_tile=KEY_TILE,
+            threads=_threads.get_num_threads(),
+        )
+        return grads  # type: ignore[return-value]

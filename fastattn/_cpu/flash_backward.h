@@ -1,0 +1,365 @@
+/* Flash attention backward on the CPU (FlashAttention-2 recomputation), never an Sq x Sk buffer.
+ *
+ * Three parallel passes, each output element written by exactly one work item in a fixed order,
+ * so gradients are bit-identical whatever the thread count:
+ *   1. delta[row] = sum_c dO[row][c] * O[row][c]                         (one item per query row)
+ *   2. dK, dV for one (b, kv head, key block): every query row of the kv head's GQA group that can
+ *      see the block is visited in tiles; P = exp(S - lse) is recomputed from the saved lse,
+ *        dP = dO V^T,  dS = P (dP - delta) [* softcap'],
+ *        dV += P^T dO,  dK += dS^T (scale Q)
+ *      so dK/dV are summed over the group in the thread that owns the block (K/V never repeated).
+ *   3. dQ for one (b, kv head, query block), walking its visible key tiles like the forward:
+ *        dQ^T += K^T dS   (then times scale)
+ * Pass 3 recomputes S, P and dP rather than accumulating dQ in per-thread buffers: it costs two
+ * extra tile products per (query tile, key tile) but needs no O(threads * Sq * D) memory, no
+ * reduction and no ordering across threads (measured against the buffered variant in the note).
+ *
+ * It reuses the forward's pieces: Q and dO packed rows-as-lanes (Qp[d][rows], dOp[c][rows]), the
+ * transposed score tile S[key][row] from qk_kernel (dP comes from the same kernel with V and dOp),
+ * finish_scores for softcap/causal/window/mask, and pv_kernel for dQ^T.  dV and dK need
+ * "key x column" products summed over rows, done by outer_kernel: vectors along the head
+ * dimension, P[j][r] (or dS[j][r]) broadcast, dO / Q rows loaded.
+ */
+#ifndef FASTATTN_FLASH_BACKWARD_H
+#define FASTATTN_FLASH_BACKWARD_H
+
+#include "flash_forward.h"
+
+namespace fastattn {
+
+struct BwdParams {
+    FwdParams f; /* q, k, v, the saved lse (read), sizes, flags, mask, key_lengths, tiles */
+    const char* dout;
+    const char* out;
+    char* dq;
+    char* dk;
+    char* dv;
+    int64_t dout_stride[3], o_stride[3], dq_stride[3], dk_stride[3], dv_stride[3]; /* b, h, s */
+    char* delta; /* compute type, [B][Hq][Sq] */
+    int64_t key_blocks;
+};
+
+/* C[m][cols] += sum_r A[m][r] * B[r][cols] for MR rows of A (stride mp) and NV vectors of columns. */
+template <typename T, int MR, int NV>
+static inline void outer_kernel(const T* a, int64_t mp, const T* bm, int64_t b_stride, int64_t rows, T* c,
+                                int64_t c_stride) {
+    typedef typename Vec<T>::type V;
+    constexpr int L = Vec<T>::lanes;
+    V acc[MR][NV];
+    for (int m = 0; m < MR; ++m)
+        for (int v = 0; v < NV; ++v) acc[m][v] = vload<V>(c + m * c_stride + v * L);
+    for (int64_t r = 0; r < rows; ++r) {
+        V bv[NV];
+        for (int v = 0; v < NV; ++v) bv[v] = vload<V>(bm + r * b_stride + v * L);
+        for (int m = 0; m < MR; ++m) {
+            const V weight = vbroadcast<T>(a[m * mp + r]);
+            for (int v = 0; v < NV; ++v) acc[m][v] += weight * bv[v];
+        }
+    }
+    for (int m = 0; m < MR; ++m)
+        for (int v = 0; v < NV; ++v) vstore(c + m * c_stride + v * L, acc[m][v]);
+}
+
+template <typename T, int NV>
+static void outer_rows(int64_t keys, const T* a, int64_t mp, const T* bm, int64_t b_stride, int64_t rows, T* c,
+                       int64_t c_stride) {
+    int64_t j = 0;
+    for (; j + kMainMR <= keys; j += kMainMR)
+        outer_kernel<T, kMainMR, NV>(a + j * mp, mp, bm, b_stride, rows, c + j * c_stride, c_stride);
+    switch (keys - j) {
+#define FASTATTN_OUTER_CASE(R) \
+    case R:                    \
+        if constexpr (R < kMainMR) outer_kernel<T, R, NV>(a + j * mp, mp, bm, b_stride, rows, c + j * c_stride, c_stride); \
+        break;
+        FASTATTN_OUTER_CASE(1) FASTATTN_OUTER_CASE(2) FASTATTN_OUTER_CASE(3) FASTATTN_OUTER_CASE(4)
+        FASTATTN_OUTER_CASE(5) FASTATTN_OUTER_CASE(6) FASTATTN_OUTER_CASE(7)
+#undef FASTATTN_OUTER_CASE
+        default: break;
+    }
+}
+
+/* C[keys][cols] += A[keys][rows] B[rows][cols]: two-vector column blocks, one-vector blocks, then a
+ * scalar tail for head dimensions that are not a multiple of the vector width. */
+template <typename T>
+static void outer_product(int64_t keys, int64_t cols, const T* a, int64_t mp, const T* bm, int64_t b_stride,
+                          int64_t rows, T* c, int64_t c_stride) {
+    constexpr int L = Vec<T>::lanes;
+    int64_t col = 0;
+    for (; col + 2 * L <= cols; col += 2 * L) outer_rows<T, 2>(keys, a, mp, bm + col, b_stride, rows, c + col, c_stride);
+    for (; col + L <= cols; col += L) outer_rows<T, 1>(keys, a, mp, bm + col, b_stride, rows, c + col, c_stride);
+    for (; col < cols; ++col)
+        for (int64_t j = 0; j < keys; ++j) {
+            T total = 0;
+            for (int64_t r = 0; r < rows; ++r) total += a[j * mp + r] * bm[r * b_stride + col];
+            c[j * c_stride + col] += total;
+        }
+}
+
+/* Scratch for either pass, in compute-type elements. */
+template <typename T> static size_t backward_scratch_elements(const BwdParams& bp) {
+    const FwdParams& p = bp.f;
+    const int64_t mp = round_up(p.group * p.block_queries, 2 * lanes<T>());
+    const int64_t n = p.key_tile, width = 2 * p.head_dim + 2 * p.head_dim_v;
+    return (size_t)(n * width + mp * width + 3 * n * mp + 3 * mp + p.head_dim * mp + 4 * lanes<T>());
+}
+
+/* Pack the rows of one query tile: scale*Q as Qp[d][rows] (and as rows, for dK), dO as dOp[c][rows]
+ * (and as rows, for dV), lse (+inf for rows that saw no key, so that their P is 0), delta, and
+ * each row's key position. */
+template <typename T, typename In, int NV> struct TilePack {
+    T *qp, *q_rows, *dop, *do_rows, *lse, *delta, *position;
+    int64_t rows, mp;
+
+    void fill(const BwdParams& bp, int64_t b, int64_t kvh, int64_t q0, int64_t qn) {
+        const FwdParams& p = bp.f;
+        constexpr int64_t RB = NV * Vec<T>::lanes;
+        const int64_t D = p.head_dim, Dv = p.head_dim_v, G = p.group;
+        const T scale = (T)p.scale;
+        rows = G * qn;
+        mp = round_up(rows, RB);
+        for (int64_t r = 0; r < mp; ++r) {
+            T* qdst = qp + (r / RB) * D * RB + (r % RB);
+            T* odst = dop + (r / RB) * Dv * RB + (r % RB);
+            if (r < rows) {
+                const int64_t g = r / qn, i = q0 + r % qn, h = kvh * G + g;
+                const In* qsrc = at<In>(p.q, b * p.q_stride[0] + h * p.q_stride[1] + i * p.q_stride[2]);
+                const In* osrc = at<In>(bp.dout, b * bp.dout_stride[0] + h * bp.dout_stride[1] + i * bp.dout_stride[2]);
+                for (int64_t d = 0; d < D; ++d) q_rows[r * D + d] = qdst[d * RB] = scale * load_as<T>(qsrc[d]);
+                for (int64_t c = 0; c < Dv; ++c) do_rows[r * Dv + c] = odst[c * RB] = load_as<T>(osrc[c]);
+                const T saved = *(reinterpret_cast<const T*>(p.lse) + b * p.lse_stride[0] + h * p.lse_stride[1] +
+                                  i * p.lse_stride[2]);
+                lse[r] = saved == -std::numeric_limits<T>::infinity() ? std::numeric_limits<T>::infinity() : saved;
+                delta[r] = reinterpret_cast<const T*>(bp.delta)[(b * p.heads_q + h) * p.seq_q + i];
+                position[r] = (T)(i + p.offset);
+            } else {
+                for (int64_t d = 0; d < D; ++d) q_rows[r * D + d] = qdst[d * RB] = T(0);
+                for (int64_t c = 0; c < Dv; ++c) do_rows[r * Dv + c] = odst[c * RB] = T(0);
+                lse[r] = std::numeric_limits<T>::infinity();
+                delta[r] = T(0);
+                position[r] = (T)(q0 + p.offset);
+            }
+        }
+    }
+};
+
+/* K and V rows of a tile in the compute type: the caller's memory, or a converted copy. */
+template <typename T, typename In> struct KvTile {
+    const T* k;
+    const T* v;
+    int64_t k_stride, v_stride;
+
+    void load(const FwdParams& p, int64_t b, int64_t kvh, int64_t kt, int64_t n, T* k_converted, T* v_converted) {
+        const In* k_tile = at<In>(p.k, b * p.k_stride[0] + kvh * p.k_stride[1] + kt * p.k_stride[2]);
+        const In* v_tile = at<In>(p.v, b * p.v_stride[0] + kvh * p.v_stride[1] + kt * p.v_stride[2]);
+        if constexpr (std::is_same<T, In>::value) {
+            k = k_tile;
+            v = v_tile;
+            k_stride = p.k_stride[2];
+            v_stride = p.v_stride[2];
+        } else {
+            const int64_t D = p.head_dim, Dv = p.head_dim_v;
+            for (int64_t j = 0; j < n; ++j) {
+                for (int64_t d = 0; d < D; ++d) k_converted[j * D + d] = load_as<T>(k_tile[j * p.k_stride[2] + d]);
+                for (int64_t d = 0; d < Dv; ++d) v_converted[j * Dv + d] = load_as<T>(v_tile[j * p.v_stride[2] + d]);
+            }
+            k = k_converted;
+            v = v_converted;
+            k_stride = D;
+            v_stride = Dv;
+        }
+    }
+};
+
+/* S -> P and dP -> dS for one (key tile, query tile): s holds S[j][rows] on entry and P on exit,
+ * dp holds dP on entry and dS on exit (softcap' from cap_grad when softcap is on). */
+template <typename T>
+static void softmax_gradient(const FwdParams& p, T* s, T* dp, const T* cap_grad, const T* lse, const T* delta,
+                             int64_t n, int64_t mp) {
+    typedef typename Vec<T>::type V;
+    constexpr int L = Vec<T>::lanes;
+    for (int64_t j = 0; j < n; ++j)
+        for (int64_t r = 0; r < mp; r += L) {
+            const V prob = vexp(vload<V>(s + j * mp + r) - vload<V>(lse + r));
+            vstore(s + j * mp + r, prob);
+            V grad = prob * (vload<V>(dp + j * mp + r) - vload<V>(delta + r));
+            if (p.softcap > 0) grad *= vload<V>(cap_grad + j * mp + r);
+            vstore(dp + j * mp + r, grad);
+        }
+}
+
+/* Pass 2: dK and dV of keys [k0, k0 + key_tile) of one kv head. */
+template <typename T, typename In, int NV>
+static void dkdv_block(const BwdParams& bp, T* scratch, int64_t b, int64_t kvh, int64_t kb) {
+    const FwdParams& p = bp.f;
+    const int64_t D = p.head_dim, Dv = p.head_dim_v, N = p.key_tile;
+    const int64_t k0 = kb * N, n = std::min(N, p.seq_k - k0);
+    const int64_t mp_max = round_up(p.group * p.block_queries, 2 * lanes<T>());
+    T* dk = scratch;
+    T* dv = dk + N * D;
+    T* k_converted = dv + N * Dv;
+    T* v_converted = k_converted + N * D;
+    TilePack<T, In, NV> pack;
+    pack.qp = v_converted + N * Dv;
+    pack.q_rows = pack.qp + mp_max * D;
+    pack.dop = pack.q_rows + mp_max * D;
+    pack.do_rows = pack.dop + mp_max * Dv;
+    T* s = pack.do_rows + mp_max * Dv;
+    T* dp = s + N * mp_max;
+    T* cap_grad = dp + N * mp_max;
+    pack.lse = cap_grad + N * mp_max;
+    pack.delta = pack.lse + mp_max;
+    pack.position = pack.delta + mp_max;
+    std::memset(dk, 0, sizeof(T) * N * D);
+    std::memset(dv, 0, sizeof(T) * N * Dv);
+
+    /* Keys past key_lengths are padding: zero gradient.  Queries that can see some key here: */
+    const int64_t live = std::min(n, (p.key_lengths ? p.key_lengths[b] : p.seq_k) - k0);
+    int64_t i_lo = 0, i_hi = p.seq_q;
+    if (live > 0) {
+        const int64_t last_key = k0 + live - 1;
+        if (p.causal) i_lo = std::max(i_lo, k0 - p.offset);
+        if (p.window_right >= 0) i_lo = std::max(i_lo, k0 - p.window_right - p.offset);
+        if (p.window_left >= 0) i_hi = std::min(i_hi, last_key + p.window_left - p.offset + 1);
+        KvTile<T, In> tile;
+        tile.load(p, b, kvh, k0, live, k_converted, v_converted);
+        for (int64_t q0 = i_lo; q0 < i_hi; q0 += p.block_queries) {
+            const int64_t qn = std::min(p.block_queries, i_hi - q0);
+            pack.fill(bp, b, kvh, q0, qn);
+            const int64_t mp = pack.mp;
+            for (int64_t rb = 0; rb < mp; rb += NV * lanes<T>()) {
+                Blocked<T, NV>::qk_all(live, tile.k, tile.k_stride, pack.qp + rb * D, D, s + rb, mp);
+                Blocked<T, NV>::qk_all(live, tile.v, tile.v_stride, pack.dop + rb * Dv, Dv, dp + rb, mp);
+            }
+            finish_scores<T>(p, s, cap_grad, mp, pack.rows, live, k0, b, kvh, q0, qn, pack.position);
+            softmax_gradient<T>(p, s, dp, cap_grad, pack.lse, pack.delta, live, mp);
+            outer_product<T>(live, Dv, s, mp, pack.do_rows, Dv, pack.rows, dv, Dv);
+            outer_product<T>(live, D, dp, mp, pack.q_rows, D, pack.rows, dk, D);
+        }
+    }
+    for (int64_t j = 0; j < n; ++j) {
+        In* dk_row = reinterpret_cast<In*>(bp.dk) + b * bp.dk_stride[0] + kvh * bp.dk_stride[1] + (k0 + j) * bp.dk_stride[2];
+        In* dv_row = reinterpret_cast<In*>(bp.dv) + b * bp.dv_stride[0] + kvh * bp.dv_stride[1] + (k0 + j) * bp.dv_stride[2];
+        for (int64_t d = 0; d < D; ++d) dk_row[d] = Store<In>::from(dk[j * D + d]);
+        for (int64_t c = 0; c < Dv; ++c) dv_row[c] = Store<In>::from(dv[j * Dv + c]);
+    }
+}
+
+/* Pass 3: dQ of one (b, kv head, query block), all heads of the group stacked. */
+template <typename T, typename In, int NV>
+static void dq_block(const BwdParams& bp, T* scratch, int64_t b, int64_t kvh, int64_t q0, int64_t qn) {
+    const FwdParams& p = bp.f;
+    const int64_t D = p.head_dim, Dv = p.head_dim_v, N = p.key_tile;
+    const int64_t mp_max = round_up(p.group * p.block_queries, 2 * lanes<T>());
+    T* dqt = scratch; /* [D][mp] */
+    T* k_converted = dqt + D * mp_max;
+    T* v_converted = k_converted + N * D;
+    TilePack<T, In, NV> pack;
+    pack.qp = v_converted + N * Dv;
+    pack.q_rows = pack.qp + mp_max * D;
+    pack.dop = pack.q_rows + mp_max * D;
+    pack.do_rows = pack.dop + mp_max * Dv;
+    T* s = pack.do_rows + mp_max * Dv;
+    T* dp = s + N * mp_max;
+    T* cap_grad = dp + N * mp_max;
+    pack.lse = cap_grad + N * mp_max;
+    pack.delta = pack.lse + mp_max;
+    pack.position = pack.delta + mp_max;
+
+    pack.fill(bp, b, kvh, q0, qn);
+    const int64_t mp = pack.mp;
+    std::memset(dqt, 0, sizeof(T) * D * mp);
+    int64_t lo, hi;
+    visible_keys(p, b, q0, qn, 0, p.seq_k, &lo, &hi);
+    for (int64_t kt = lo; kt < hi; kt += N) {
+        const int64_t n = std::min(N, hi - kt);
+        KvTile<T, In> tile;
+        tile.load(p, b, kvh, kt, n, k_converted, v_converted);
+        for (int64_t rb = 0; rb < mp; rb += NV * lanes<T>()) {
+            Blocked<T, NV>::qk_all(n, tile.k, tile.k_stride, pack.qp + rb * D, D, s + rb, mp);
+            Blocked<T, NV>::qk_all(n, tile.v, tile.v_stride, pack.dop + rb * Dv, Dv, dp + rb, mp);
+        }
+        finish_scores<T>(p, s, cap_grad, mp, pack.rows, n, kt, b, kvh, q0, qn, pack.position);
+        softmax_gradient<T>(p, s, dp, cap_grad, pack.lse, pack.delta, n, mp);
+        for (int64_t rb = 0; rb < mp; rb += NV * lanes<T>())
+            Blocked<T, NV>::pv_all(D, tile.k, tile.k_stride, dp + rb, mp, n, dqt + rb);
+    }
+    const T scale = (T)p.scale;
+    for (int64_t r = 0; r < pack.rows; ++r) {
+        const int64_t g = r / qn, i = q0 + r % qn, h = kvh * p.group + g;
+        In* dst = reinterpret_cast<In*>(bp.dq) + b * bp.dq_stride[0] + h * bp.dq_stride[1] + i * bp.dq_stride[2];
+        for (int64_t d = 0; d < D; ++d) dst[d] = Store<In>::from(scale * dqt[d * mp + r]);
+    }
+}
+
+template <typename T, typename In>
+static void delta_row(const BwdParams& bp, int64_t index) {
+    const FwdParams& p = bp.f;
+    const int64_t i = index % p.seq_q, h = (index / p.seq_q) % p.heads_q, b = index / (p.seq_q * p.heads_q);
+    const In* grad = at<In>(bp.dout, b * bp.dout_stride[0] + h * bp.dout_stride[1] + i * bp.dout_stride[2]);
+    const In* out = at<In>(bp.out, b * bp.o_stride[0] + h * bp.o_stride[1] + i * bp.o_stride[2]);
+    T total = 0;
+    for (int64_t c = 0; c < p.head_dim_v; ++c) total += load_as<T>(grad[c]) * load_as<T>(out[c]);
+    reinterpret_cast<T*>(bp.delta)[index] = total;
+}
+
+template <typename T, typename In>
+static void dkdv_item(const BwdParams& bp, char* scratch, int64_t item) {
+    const FwdParams& p = bp.f;
+    const int64_t kvh = item % p.heads_kv, b = (item / p.heads_kv) % p.batch, kb = item / (p.heads_kv * p.batch);
+    T* buffer = reinterpret_cast<T*>(scratch);
+    if (p.group * p.block_queries <= lanes<T>())
+        dkdv_block<T, In, 1>(bp, buffer, b, kvh, kb);
+    else
+        dkdv_block<T, In, 2>(bp, buffer, b, kvh, kb);
+}
+
+template <typename T, typename In>
+static void dq_item(const BwdParams& bp, char* scratch, int64_t item) {
+    const FwdParams& p = bp.f;
+    const int64_t kvh = item % p.heads_kv, b = (item / p.heads_kv) % p.batch;
+    const int64_t qb = p.query_blocks - 1 - item / (p.heads_kv * p.batch); /* heaviest (causal) first */
+    const int64_t q0 = qb * p.block_queries, qn = std::min(p.block_queries, p.seq_q - q0);
+    T* buffer = reinterpret_cast<T*>(scratch);
+    if (p.group * qn <= lanes<T>())
+        dq_block<T, In, 1>(bp, buffer, b, kvh, q0, qn);
+    else
+        dq_block<T, In, 2>(bp, buffer, b, kvh, q0, qn);
+}
+
+}  // namespace fastattn
+
+/* ---- the entry points Cython calls ------------------------------------------------------------------ */
+
+#define FASTATTN_DISPATCH(CALL)                                                      \
+    switch (p->f.dtype) {                                                            \
+        case fastattn::DTYPE_FLOAT32: CALL(float, float); break;                     \
+        case fastattn::DTYPE_FLOAT64: CALL(double, double); break;                   \
+        case fastattn::DTYPE_FLOAT16: CALL(float, fastattn::half_bits); break;       \
+        case fastattn::DTYPE_BFLOAT16: CALL(float, fastattn::bfloat16_bits); break;  \
+        default: break;                                                              \
+    }
+
+static inline size_t fa_backward_scratch_bytes(const fastattn::BwdParams* p) {
+    if (p->f.dtype == fastattn::DTYPE_FLOAT64) return sizeof(double) * fastattn::backward_scratch_elements<double>(*p);
+    return sizeof(float) * fastattn::backward_scratch_elements<float>(*p);
+}
+
+static inline void fa_backward_delta(const fastattn::BwdParams* p, int64_t index) {
+#define FASTATTN_CALL(T, In) fastattn::delta_row<T, In>(*p, index)
+    FASTATTN_DISPATCH(FASTATTN_CALL)
+#undef FASTATTN_CALL
+}
+
+static inline void fa_backward_dkdv(const fastattn::BwdParams* p, char* scratch, int64_t item) {
+#define FASTATTN_CALL(T, In) fastattn::dkdv_item<T, In>(*p, scratch, item)
+    FASTATTN_DISPATCH(FASTATTN_CALL)
+#undef FASTATTN_CALL
+}
+
+static inline void fa_backward_dq(const fastattn::BwdParams* p, char* scratch, int64_t item) {
+#define FASTATTN_CALL(T, In) fastattn::dq_item<T, In>(*p, scratch, item)
+    FASTATTN_DISPATCH(FASTATTN_CALL)
+#undef FASTATTN_CALL
+}
+
+#endif
