@@ -5,7 +5,8 @@ Every implementation runs in the same process on the same inputs: one warm-up, t
 ceiling, under whatever OpenBLAS kernel this environment selects (reported via threadpoolctl; on
 machines where OPENBLAS_CORETYPE is set it is an older kernel, which changes the ceiling but not
 fastattn, whose kernels call no BLAS).  ``--memory`` adds the (1, 8, 32768, 32768, 128) causal
-forward and reports its peak RSS beyond inputs and outputs, measured in a subprocess.
+forward (and forward+backward) and reports peak RSS beyond inputs, outputs and gradients, measured
+in a subprocess.
 
     python benchmarks/bench_cpu.py                 # table + benchmarks/results/cpu-<date>.json
     python benchmarks/bench_cpu.py --cases C1 C6 --repeats 7
@@ -49,6 +50,13 @@ def forward_flops(batch: int, heads_q: int, seq_q: int, seq_k: int, dim: int, ca
 
 
 def median_seconds(run: Callable[[], Any], repeats: int) -> float:
+    """Median of ``repeats`` timed runs after one warm-up.
+
+    A pause comes first: the previous implementation's thread pools (OpenBLAS, torch's and our
+    OpenMP runtimes) spin for a while after their last parallel region, and would otherwise steal
+    the cores from the one being timed.
+    """
+    time.sleep(0.5)
     run()
     times = []
     for _ in range(repeats):
@@ -75,105 +83,160 @@ def blas_description() -> list[dict[str, Any]]:
     ]
 
 
-def implementations(torch: Any) -> dict[str, Callable[..., Callable[[], Any]]]:
-    """Each entry takes (q, k, v, causal) as numpy arrays and returns a zero-argument runner."""
+def numpy_naive_backward(q, k, v, dout, causal):
+    """Plain numpy forward + analytic backward, materialising P (K/V repeated for GQA, then summed)."""
+    group = q.shape[1] // k.shape[1]
+    kr, vr = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
+    scale = np.float32(1 / math.sqrt(q.shape[-1]))
+    scores = q @ kr.swapaxes(-1, -2) * scale
+    if causal:
+        scores = np.where(np.tri(*scores.shape[-2:], dtype=bool), scores, -np.inf)
+    p = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    p /= p.sum(axis=-1, keepdims=True)
+    out = p @ vr
+    dv = p.swapaxes(-1, -2) @ dout
+    dp = dout @ vr.swapaxes(-1, -2)
+    ds = p * (dp - (dout * out).sum(axis=-1, keepdims=True)) * scale
+    dq = ds @ kr
+    dk = ds.swapaxes(-1, -2) @ q
+    fold = (k.shape[0], k.shape[1], group) + k.shape[2:]
+    return dq, dk.reshape(fold).sum(axis=2), dv.reshape(fold[:3] + dv.shape[2:]).sum(axis=2)
 
-    def fastattn_cpu(q, k, v, causal):
-        return lambda: fastattn.attention(q, k, v, causal=causal, backend="cpu")
 
-    def numpy_naive(q, k, v, causal):
-        return lambda: numpy_naive_attention(q, k, v, causal)
+def implementations(torch: Any, direction: str) -> dict[str, Callable[..., Callable[[], Any]]]:
+    """Each entry takes (q, k, v, dout, causal) as numpy arrays and returns a zero-argument runner
+    of the forward, or of forward + backward."""
+
+    def fastattn_cpu(q, k, v, dout, causal):
+        if direction == "forward":
+            return lambda: fastattn.attention(q, k, v, causal=causal, backend="cpu")
+
+        def both():
+            out, lse = fastattn.attention(q, k, v, causal=causal, backend="cpu", return_lse=True)
+            return fastattn.attention_backward(dout, q, k, v, out, lse, causal=causal, backend="cpu")
+
+        return both
+
+    def numpy_naive(q, k, v, dout, causal):
+        if direction == "forward":
+            return lambda: numpy_naive_attention(q, k, v, causal)
+        return lambda: numpy_naive_backward(q, k, v, dout, causal)
 
     found = {"fastattn cpu": fastattn_cpu, "numpy naive": numpy_naive}
     if torch is not None:
 
-        def torch_sdpa(q, k, v, causal):
-            tq, tk, tv = (torch.from_numpy(x) for x in (q, k, v))
+        def torch_sdpa(q, k, v, dout, causal):
             sdpa = torch.nn.functional.scaled_dot_product_attention
-            return lambda: sdpa(tq, tk, tv, is_causal=causal, enable_gqa=tq.shape[1] != tk.shape[1])
+            gqa = q.shape[1] != k.shape[1]
+            if direction == "forward":
+                tq, tk, tv = (torch.from_numpy(x) for x in (q, k, v))
+                return lambda: sdpa(tq, tk, tv, is_causal=causal, enable_gqa=gqa)
+            leaves = [torch.from_numpy(x).requires_grad_() for x in (q, k, v)]
+            grad = torch.from_numpy(dout)
+
+            def both():
+                for leaf in leaves:
+                    leaf.grad = None
+                sdpa(*leaves, is_causal=causal, enable_gqa=gqa).backward(grad)
+
+            return both
 
         found["torch sdpa"] = torch_sdpa
     return found
 
 
-def run_case(name: str, impls: dict[str, Callable[..., Callable[[], Any]]], repeats: int) -> list[dict[str, Any]]:
+def run_case(name: str, direction: str, impls: dict[str, Callable[..., Callable[[], Any]]], repeats: int) -> list[dict[str, Any]]:
     batch, heads_q, heads_kv, seq_q, seq_k, dim, causal = CASES[name]
     rng = np.random.default_rng(1)
     q = rng.standard_normal((batch, heads_q, seq_q, dim), dtype=np.float32)
     k = rng.standard_normal((batch, heads_kv, seq_k, dim), dtype=np.float32)
     v = rng.standard_normal((batch, heads_kv, seq_k, dim), dtype=np.float32)
-    flops = forward_flops(batch, heads_q, seq_q, seq_k, dim, causal)
+    dout = rng.standard_normal((batch, heads_q, seq_q, dim), dtype=np.float32)
+    flops = forward_flops(batch, heads_q, seq_q, seq_k, dim, causal) * (3.5 if direction == "forward+backward" else 1)
     kv_bytes = k.nbytes + v.nbytes
     rows = []
     for label, make in impls.items():
-        seconds = median_seconds(make(q, k, v, causal), repeats)
+        seconds = median_seconds(make(q, k, v, dout, causal), repeats)
         rows.append(
             {
                 "case": name,
+                "pass": direction,
                 "implementation": label,
                 "median_ms": 1e3 * seconds,
                 "gflops": flops / seconds / 1e9,
                 "kv_gbytes_per_s": kv_bytes / seconds / 1e9,
             }
         )
-        print(f"  {name} {label}: {1e3 * seconds:.2f} ms", file=sys.stderr, flush=True)
+        print(f"  {name} {direction} {label}: {1e3 * seconds:.2f} ms", file=sys.stderr, flush=True)
     return rows
 
 
 _MEMORY_PROBE = r"""
-import json, resource
+import json, resource, sys, time
 import numpy as np
 import fastattn
+backward = sys.argv[1] == "forward+backward"
 batch, heads, seq, dim = 1, 8, 32768, 128
 q, k, v = (np.random.default_rng(i).standard_normal((batch, heads, seq, dim), dtype=np.float32) for i in range(3))
-fastattn.attention(q[:, :, :128], k[:, :, :128], v[:, :, :128], causal=True, backend="cpu")
-# Touch and free as much memory as the outputs take, so the high-water mark already covers them.
-outputs = (np.ones_like(q), np.ones((batch, heads, seq), np.float32))
+dout = np.random.default_rng(3).standard_normal((batch, heads, seq, dim), dtype=np.float32) if backward else None
+small = slice(0, 128)
+fastattn.attention(q[:, :, small], k[:, :, small], v[:, :, small], causal=True, backend="cpu")
+# Raise the high-water mark with output-sized buffers, then free them: what the call adds beyond
+# that is the kernels' own memory.
+outputs = [np.ones_like(q), np.ones((batch, heads, seq), np.float32)] + ([np.ones_like(q) for _ in range(3)] if backward else [])
 del outputs
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+start = time.perf_counter()
 out, lse = fastattn.attention(q, k, v, causal=True, backend="cpu", return_lse=True)
+if backward:
+    grads = fastattn.attention_backward(dout, q, k, v, out, lse, causal=True, backend="cpu")
+seconds = time.perf_counter() - start
 after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-print(json.dumps({"extra_mib_beyond_outputs": (after - before) / 1024}))
+print(json.dumps({"extra_mib_beyond_outputs": (after - before) / 1024, "seconds": seconds}))
 """
 
 
-def memory_case() -> dict[str, Any]:
-    """Peak RSS of the (1, 8, 32768, 32768, 128) causal forward beyond its inputs and outputs.
+def memory_case(direction: str) -> dict[str, Any]:
+    """Peak RSS of the (1, 8, 32768, 32768, 128) causal call beyond its inputs and outputs.
 
-    The high-water mark is first raised by output-sized buffers that are then freed, so the growth
-    measured during the call is what the kernel needs beyond inputs and outputs.
+    Run in a subprocess; the high-water mark is first raised by output-sized buffers (out, lse and,
+    for the backward, dq/dk/dv) that are then freed, so the growth measured during the call is
+    what the kernels need beyond inputs, outputs and gradients.
     """
-    start = time.perf_counter()
-    result = subprocess.run([sys.executable, "-c", _MEMORY_PROBE], capture_output=True, text=True, check=True)
-    measured = json.loads(result.stdout.strip().splitlines()[-1])
-    measured["seconds"] = time.perf_counter() - start
-    return measured
+    result = subprocess.run(
+        [sys.executable, "-c", _MEMORY_PROBE, direction], capture_output=True, text=True, check=True
+    )
+    return dict(json.loads(result.stdout.strip().splitlines()[-1]), direction=direction)
 
 
 def format_table(rows: list[dict[str, Any]], sgemm: float) -> str:
-    torch_ms = {row["case"]: row["median_ms"] for row in rows if row["implementation"] == "torch sdpa"}
-    header = f"{'case':<5} {'implementation':<14} {'ms':>9} {'GFLOP/s':>8} {'KV GB/s':>8} {'vs torch':>9} {'of sgemm':>9}"
+    torch_ms = {(r["case"], r["pass"]): r["median_ms"] for r in rows if r["implementation"] == "torch sdpa"}
+    header = (
+        f"{'case':<5} {'pass':<16} {'implementation':<14} {'ms':>9} {'GFLOP/s':>8} {'KV GB/s':>8} "
+        f"{'vs torch':>9} {'of sgemm':>9}"
+    )
     lines = [header, "-" * len(header)]
     for row in rows:
-        ratio = torch_ms.get(row["case"], math.nan) / row["median_ms"]
+        ratio = torch_ms.get((row["case"], row["pass"]), math.nan) / row["median_ms"]
         lines.append(
-            f"{row['case']:<5} {row['implementation']:<14} {row['median_ms']:>9.2f} {row['gflops']:>8.1f} "
-            f"{row['kv_gbytes_per_s']:>8.1f} {ratio:>8.2f}x {row['gflops'] / sgemm:>8.0%}"
+            f"{row['case']:<5} {row['pass']:<16} {row['implementation']:<14} {row['median_ms']:>9.2f} "
+            f"{row['gflops']:>8.1f} {row['kv_gbytes_per_s']:>8.1f} {ratio:>8.2f}x {row['gflops'] / sgemm:>8.0%}"
         )
     return "\n".join(lines)
 
 
 def summary(rows: list[dict[str, Any]]) -> dict[str, float]:
-    ratios = {}
+    """fastattn / torch time ratios per (case, pass) and their geomeans over C1-C5."""
+    torch_ms = {(r["case"], r["pass"]): r["median_ms"] for r in rows if r["implementation"] == "torch sdpa"}
+    ratios: dict[str, float] = {}
     for row in rows:
-        if row["implementation"] != "fastattn cpu":
-            continue
-        torch_row = [r for r in rows if r["case"] == row["case"] and r["implementation"] == "torch sdpa"]
-        if torch_row:
-            ratios[row["case"]] = torch_row[0]["median_ms"] / row["median_ms"]
-    forward = [ratios[c] for c in ("C1", "C2", "C3", "C4", "C5") if c in ratios]
-    if forward:
-        ratios["geomean C1-C5"] = math.exp(sum(map(math.log, forward)) / len(forward))
+        key = (row["case"], row["pass"])
+        if row["implementation"] == "fastattn cpu" and key in torch_ms:
+            ratios[f"{row['case']} {row['pass']}"] = torch_ms[key] / row["median_ms"]
+    for direction in ("forward", "forward+backward"):
+        chosen = [ratios[f"{c} {direction}"] for c in ("C1", "C2", "C3", "C4", "C5") if f"{c} {direction}" in ratios]
+        if chosen:
+            ratios[f"geomean C1-C5 {direction}"] = math.exp(sum(map(math.log, chosen)) / len(chosen))
     return ratios
 
 
@@ -181,6 +244,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--passes", nargs="+", default=["forward", "forward+backward"], choices=["forward", "forward+backward"]
+    )
     parser.add_argument("--no-numpy", action="store_true", help="skip numpy naive (slow on C3-C5)")
     parser.add_argument("--memory", action="store_true", help="also run the 32768-token memory case")
     parser.add_argument("--json", type=Path, help="output path (default benchmarks/results/cpu-<date>.json)")
@@ -192,15 +258,20 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(fastattn.get_num_threads())
     except ImportError:
         torch = None
-    impls = implementations(torch)
-    if arguments.no_numpy:
-        impls.pop("numpy naive")
     sgemm = sgemm_gflops(arguments.repeats)
-    rows = [row for name in arguments.cases for row in run_case(name, impls, arguments.repeats)]
+    rows = []
+    for direction in arguments.passes:
+        impls = implementations(torch, direction)
+        if arguments.no_numpy:
+            impls.pop("numpy naive")
+        for name in arguments.cases:
+            if direction == "forward+backward" and CASES[name][3] == 1:
+                continue  # decode (Sq = 1) is an inference path: forward only
+            rows.extend(run_case(name, direction, impls, arguments.repeats))
     print(format_table(rows, sgemm))
     print(f"numpy sgemm 2048^3: {sgemm:.1f} GFLOP/s; BLAS: {blas_description()}")
     ratios = summary(rows)
-    print("fastattn cpu / torch: " + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()))
+    print("fastattn cpu / torch: " + ", ".join(f"{key} {value:.2f}x" for key, value in ratios.items()))
     report: dict[str, Any] = {
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "machine": {"processor": platform.processor(), "cores": os.cpu_count(), "python": platform.python_version()},
@@ -215,8 +286,9 @@ def main(argv: list[str] | None = None) -> int:
         "ratios_vs_torch": ratios,
     }
     if arguments.memory:
-        report["memory_case"] = memory_case()
-        print(f"memory case (1, 8, 32768, 32768, 128) causal: {report['memory_case']}")
+        report["memory_cases"] = [memory_case(direction) for direction in arguments.passes]
+        for case in report["memory_cases"]:
+            print(f"memory case (1, 8, 32768, 32768, 128) causal: {case}")
     path = arguments.json or Path(__file__).parent / "results" / f"cpu-{datetime.date.today().isoformat()}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=2))
