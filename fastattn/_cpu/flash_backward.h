@@ -142,31 +142,27 @@ template <typename T, typename In, int NV> struct TilePack {
     }
 };
 
-/* K and V rows of a tile in the compute type: the caller's memory, or a converted copy. */
-template <typename T, typename In> struct KvTile {
-    const T* k;
-    const T* v;
-    int64_t k_stride, v_stride;
+/* The scratch of one backward work item after its `reserved` accumulator elements: K/V
+ * conversion tiles, the packed query tile, and the S/P, dP/dS and softcap' tiles. */
+template <typename T, typename In, int NV> struct BackwardTiles {
+    T *k_converted, *v_converted, *s, *dp, *cap_grad;
+    TilePack<T, In, NV> pack;
 
-    void load(const FwdParams& p, int64_t b, int64_t kvh, int64_t kt, int64_t n, T* k_converted, T* v_converted) {
-        const In* k_tile = at<In>(p.k, b * p.k_stride[0] + kvh * p.k_stride[1] + kt * p.k_stride[2]);
-        const In* v_tile = at<In>(p.v, b * p.v_stride[0] + kvh * p.v_stride[1] + kt * p.v_stride[2]);
-        if constexpr (std::is_same<T, In>::value) {
-            k = k_tile;
-            v = v_tile;
-            k_stride = p.k_stride[2];
-            v_stride = p.v_stride[2];
-        } else {
-            const int64_t D = p.head_dim, Dv = p.head_dim_v;
-            for (int64_t j = 0; j < n; ++j) {
-                for (int64_t d = 0; d < D; ++d) k_converted[j * D + d] = load_as<T>(k_tile[j * p.k_stride[2] + d]);
-                for (int64_t d = 0; d < Dv; ++d) v_converted[j * Dv + d] = load_as<T>(v_tile[j * p.v_stride[2] + d]);
-            }
-            k = k_converted;
-            v = v_converted;
-            k_stride = D;
-            v_stride = Dv;
-        }
+    BackwardTiles(const FwdParams& p, T* scratch, int64_t reserved) {
+        const int64_t D = p.head_dim, Dv = p.head_dim_v, N = p.key_tile;
+        const int64_t mp_max = round_up(p.group * p.block_queries, 2 * lanes<T>());
+        k_converted = scratch + reserved;
+        v_converted = k_converted + N * D;
+        pack.qp = v_converted + N * Dv;
+        pack.q_rows = pack.qp + mp_max * D;
+        pack.dop = pack.q_rows + mp_max * D;
+        pack.do_rows = pack.dop + mp_max * Dv;
+        s = pack.do_rows + mp_max * Dv;
+        dp = s + N * mp_max;
+        cap_grad = dp + N * mp_max;
+        pack.lse = cap_grad + N * mp_max;
+        pack.delta = pack.lse + mp_max;
+        pack.position = pack.delta + mp_max;
     }
 };
 
@@ -187,28 +183,30 @@ static void softmax_gradient(const FwdParams& p, T* s, T* dp, const T* cap_grad,
         }
 }
 
+/* P and dS of one (key tile, query tile), left in t.s and t.dp: S = K Qp^T and dP = V dOp^T by the
+ * forward's kernel, the forward's masking, then softmax_gradient. */
+template <typename T, typename In, int NV>
+static void tile_gradients(const FwdParams& p, const KvTile<T, In>& tile, BackwardTiles<T, In, NV>& t, int64_t n,
+                           int64_t kt, int64_t b, int64_t kvh, int64_t q0, int64_t qn) {
+    const int64_t D = p.head_dim, Dv = p.head_dim_v, mp = t.pack.mp;
+    for (int64_t rb = 0; rb < mp; rb += NV * lanes<T>()) {
+        Blocked<T, NV>::qk_all(n, tile.k, tile.k_stride, t.pack.qp + rb * D, D, t.s + rb, mp);
+        Blocked<T, NV>::qk_all(n, tile.v, tile.v_stride, t.pack.dop + rb * Dv, Dv, t.dp + rb, mp);
+    }
+    finish_scores<T>(p, t.s, t.cap_grad, mp, t.pack.rows, n, kt, b, kvh, q0, qn, t.pack.position);
+    softmax_gradient<T>(p, t.s, t.dp, t.cap_grad, t.pack.lse, t.pack.delta, n, mp);
+}
+
 /* Pass 2: dK and dV of keys [k0, k0 + key_tile) of one kv head. */
 template <typename T, typename In, int NV>
 static void dkdv_block(const BwdParams& bp, T* scratch, int64_t b, int64_t kvh, int64_t kb) {
     const FwdParams& p = bp.f;
     const int64_t D = p.head_dim, Dv = p.head_dim_v, N = p.key_tile;
     const int64_t k0 = kb * N, n = std::min(N, p.seq_k - k0);
-    const int64_t mp_max = round_up(p.group * p.block_queries, 2 * lanes<T>());
     T* dk = scratch;
     T* dv = dk + N * D;
-    T* k_converted = dv + N * Dv;
-    T* v_converted = k_converted + N * D;
-    TilePack<T, In, NV> pack;
-    pack.qp = v_converted + N * Dv;
-    pack.q_rows = pack.qp + mp_max * D;
-    pack.dop = pack.q_rows + mp_max * D;
-    pack.do_rows = pack.dop + mp_max * Dv;
-    T* s = pack.do_rows + mp_max * Dv;
-    T* dp = s + N * mp_max;
-    T* cap_grad = dp + N * mp_max;
-    pack.lse = cap_grad + N * mp_max;
-    pack.delta = pack.lse + mp_max;
-    pack.position = pack.delta + mp_max;
+    BackwardTiles<T, In, NV> t(p, scratch, N * (D + Dv));
+    TilePack<T, In, NV>& pack = t.pack;
     std::memset(dk, 0, sizeof(T) * N * D);
     std::memset(dv, 0, sizeof(T) * N * Dv);
 
@@ -221,19 +219,14 @@ static void dkdv_block(const BwdParams& bp, T* scratch, int64_t b, int64_t kvh, 
         if (p.window_right >= 0) i_lo = std::max(i_lo, k0 - p.window_right - p.offset);
         if (p.window_left >= 0) i_hi = std::min(i_hi, last_key + p.window_left - p.offset + 1);
         KvTile<T, In> tile;
-        tile.load(p, b, kvh, k0, live, k_converted, v_converted);
+        tile.load(p, b, kvh, k0, live, t.k_converted, t.v_converted);
         for (int64_t q0 = i_lo; q0 < i_hi; q0 += p.block_queries) {
             const int64_t qn = std::min(p.block_queries, i_hi - q0);
             pack.fill(bp, b, kvh, q0, qn);
             const int64_t mp = pack.mp;
-            for (int64_t rb = 0; rb < mp; rb += NV * lanes<T>()) {
-                Blocked<T, NV>::qk_all(live, tile.k, tile.k_stride, pack.qp + rb * D, D, s + rb, mp);
-                Blocked<T, NV>::qk_all(live, tile.v, tile.v_stride, pack.dop + rb * Dv, Dv, dp + rb, mp);
-            }
-            finish_scores<T>(p, s, cap_grad, mp, pack.rows, live, k0, b, kvh, q0, qn, pack.position);
-            softmax_gradient<T>(p, s, dp, cap_grad, pack.lse, pack.delta, live, mp);
-            outer_product<T>(live, Dv, s, mp, pack.do_rows, Dv, pack.rows, dv, Dv);
-            outer_product<T>(live, D, dp, mp, pack.q_rows, D, pack.rows, dk, D);
+            tile_gradients<T, In, NV>(p, tile, t, live, k0, b, kvh, q0, qn);
+            outer_product<T>(live, Dv, t.s, mp, pack.do_rows, Dv, pack.rows, dv, Dv);
+            outer_product<T>(live, D, t.dp, mp, pack.q_rows, D, pack.rows, dk, D);
         }
     }
     for (int64_t j = 0; j < n; ++j) {
@@ -248,23 +241,11 @@ static void dkdv_block(const BwdParams& bp, T* scratch, int64_t b, int64_t kvh, 
 template <typename T, typename In, int NV>
 static void dq_block(const BwdParams& bp, T* scratch, int64_t b, int64_t kvh, int64_t q0, int64_t qn) {
     const FwdParams& p = bp.f;
-    const int64_t D = p.head_dim, Dv = p.head_dim_v, N = p.key_tile;
+    const int64_t D = p.head_dim, N = p.key_tile;
     const int64_t mp_max = round_up(p.group * p.block_queries, 2 * lanes<T>());
     T* dqt = scratch; /* [D][mp] */
-    T* k_converted = dqt + D * mp_max;
-    T* v_converted = k_converted + N * D;
-    TilePack<T, In, NV> pack;
-    pack.qp = v_converted + N * Dv;
-    pack.q_rows = pack.qp + mp_max * D;
-    pack.dop = pack.q_rows + mp_max * D;
-    pack.do_rows = pack.dop + mp_max * Dv;
-    T* s = pack.do_rows + mp_max * Dv;
-    T* dp = s + N * mp_max;
-    T* cap_grad = dp + N * mp_max;
-    pack.lse = cap_grad + N * mp_max;
-    pack.delta = pack.lse + mp_max;
-    pack.position = pack.delta + mp_max;
-
+    BackwardTiles<T, In, NV> t(p, scratch, D * mp_max);
+    TilePack<T, In, NV>& pack = t.pack;
     pack.fill(bp, b, kvh, q0, qn);
     const int64_t mp = pack.mp;
     std::memset(dqt, 0, sizeof(T) * D * mp);
@@ -273,15 +254,10 @@ static void dq_block(const BwdParams& bp, T* scratch, int64_t b, int64_t kvh, in
     for (int64_t kt = lo; kt < hi; kt += N) {
         const int64_t n = std::min(N, hi - kt);
         KvTile<T, In> tile;
-        tile.load(p, b, kvh, kt, n, k_converted, v_converted);
-        for (int64_t rb = 0; rb < mp; rb += NV * lanes<T>()) {
-            Blocked<T, NV>::qk_all(n, tile.k, tile.k_stride, pack.qp + rb * D, D, s + rb, mp);
-            Blocked<T, NV>::qk_all(n, tile.v, tile.v_stride, pack.dop + rb * Dv, Dv, dp + rb, mp);
-        }
-        finish_scores<T>(p, s, cap_grad, mp, pack.rows, n, kt, b, kvh, q0, qn, pack.position);
-        softmax_gradient<T>(p, s, dp, cap_grad, pack.lse, pack.delta, n, mp);
+        tile.load(p, b, kvh, kt, n, t.k_converted, t.v_converted);
+        tile_gradients<T, In, NV>(p, tile, t, n, kt, b, kvh, q0, qn);
         for (int64_t rb = 0; rb < mp; rb += NV * lanes<T>())
-            Blocked<T, NV>::pv_all(D, tile.k, tile.k_stride, dp + rb, mp, n, dqt + rb);
+            Blocked<T, NV>::pv_all(D, tile.k, tile.k_stride, t.dp + rb, mp, n, dqt + rb);
     }
     const T scale = (T)p.scale;
     for (int64_t r = 0; r < pack.rows; ++r) {

@@ -263,6 +263,51 @@ static void finish_scores(const FwdParams& p, T* s, T* cap_grad, int64_t mp, int
     }
 }
 
+/* ---- K and V tiles ---------------------------------------------------------------------------- */
+
+/* K and V rows of a tile in the compute type: the caller's memory read in place, or (float16 and
+ * bfloat16 inputs) a converted copy in scratch. */
+template <typename T, typename In> struct KvTile {
+    const T* k;
+    const T* v;
+    int64_t k_stride, v_stride;
+
+    void load(const FwdParams& p, int64_t b, int64_t kvh, int64_t kt, int64_t n, T* k_converted, T* v_converted) {
+        const In* k_first = at<In>(p.k, b * p.k_stride[0] + kvh * p.k_stride[1] + kt * p.k_stride[2]);
+        const In* v_first = at<In>(p.v, b * p.v_stride[0] + kvh * p.v_stride[1] + kt * p.v_stride[2]);
+        if constexpr (std::is_same<T, In>::value) {
+            k = k_first;
+            v = v_first;
+            k_stride = p.k_stride[2];
+            v_stride = p.v_stride[2];
+        } else {
+            const int64_t D = p.head_dim, Dv = p.head_dim_v;
+            for (int64_t j = 0; j < n; ++j) {
+                for (int64_t d = 0; d < D; ++d) k_converted[j * D + d] = load_as<T>(k_first[j * p.k_stride[2] + d]);
+                for (int64_t d = 0; d < Dv; ++d) v_converted[j * Dv + d] = load_as<T>(v_first[j * p.v_stride[2] + d]);
+            }
+            k = k_converted;
+            v = v_converted;
+            k_stride = D;
+            v_stride = Dv;
+        }
+    }
+};
+
+/* Ask for the K and V rows [kt, kt + n) ahead of use: streaming them is what bounds decode. */
+template <typename In>
+static inline void prefetch_kv(const FwdParams& p, int64_t b, int64_t kvh, int64_t kt, int64_t n) {
+    const int64_t k_bytes = p.head_dim * (int64_t)sizeof(In), v_bytes = p.head_dim_v * (int64_t)sizeof(In);
+    const In* k_first = at<In>(p.k, b * p.k_stride[0] + kvh * p.k_stride[1] + kt * p.k_stride[2]);
+    const In* v_first = at<In>(p.v, b * p.v_stride[0] + kvh * p.v_stride[1] + kt * p.v_stride[2]);
+    for (int64_t j = 0; j < n; ++j) {
+        const char* k_row = reinterpret_cast<const char*>(k_first + j * p.k_stride[2]);
+        const char* v_row = reinterpret_cast<const char*>(v_first + j * p.v_stride[2]);
+        for (int64_t byte = 0; byte < k_bytes; byte += 64) __builtin_prefetch(k_row + byte);
+        for (int64_t byte = 0; byte < v_bytes; byte += 64) __builtin_prefetch(v_row + byte);
+    }
+}
+
 /* ---- one work item ----------------------------------------------------------------------------- */
 
 template <typename T, typename In, int NV>
@@ -308,43 +353,13 @@ static void forward_block(const FwdParams& p, T* scratch, int64_t b, int64_t kvh
 
     for (int64_t kt = lo; kt < hi; kt += N) {
         const int64_t n = std::min(N, hi - kt);
-        const In* k_tile = at<In>(p.k, b * p.k_stride[0] + kvh * p.k_stride[1] + kt * p.k_stride[2]);
-        const In* v_tile = at<In>(p.v, b * p.v_stride[0] + kvh * p.v_stride[1] + kt * p.v_stride[2]);
-        const T* k_rows;
-        const T* v_rows;
-        int64_t k_row_stride, v_row_stride;
-        if constexpr (std::is_same<T, In>::value) {
-            k_rows = k_tile;
-            v_rows = v_tile;
-            k_row_stride = p.k_stride[2];
-            v_row_stride = p.v_stride[2];
-        } else {
-            for (int64_t j = 0; j < n; ++j) {
-                for (int64_t d = 0; d < D; ++d) k_converted[j * D + d] = load_as<T>(k_tile[j * p.k_stride[2] + d]);
-                for (int64_t d = 0; d < Dv; ++d) v_converted[j * Dv + d] = load_as<T>(v_tile[j * p.v_stride[2] + d]);
-            }
-            k_rows = k_converted;
-            v_rows = v_converted;
-            k_row_stride = D;
-            v_row_stride = Dv;
-        }
-
-        /* Ask for the next tile's K and V rows now: streaming them is what bounds decode. */
-        if (kt + N < hi) {
-            const int64_t next = std::min(N, hi - kt - N);
-            const char* k_next = reinterpret_cast<const char*>(k_tile + N * p.k_stride[2]);
-            const char* v_next = reinterpret_cast<const char*>(v_tile + N * p.v_stride[2]);
-            for (int64_t j = 0; j < next; ++j) {
-                for (int64_t byte = 0; byte < D * (int64_t)sizeof(In); byte += 64)
-                    __builtin_prefetch(k_next + j * p.k_stride[2] * (int64_t)sizeof(In) + byte);
-                for (int64_t byte = 0; byte < Dv * (int64_t)sizeof(In); byte += 64)
-                    __builtin_prefetch(v_next + j * p.v_stride[2] * (int64_t)sizeof(In) + byte);
-            }
-        }
+        KvTile<T, In> tile;
+        tile.load(p, b, kvh, kt, n, k_converted, v_converted);
+        if (kt + N < hi) prefetch_kv<In>(p, b, kvh, kt + N, std::min(N, hi - kt - N));
 
         /* S[j][rows] = K Qp^T (scale already in Qp). */
         for (int64_t rb = 0; rb < mp; rb += RB)
-            Blocked<T, NV>::qk_all(n, k_rows, k_row_stride, qp + rb * D, D, s + rb, mp);
+            Blocked<T, NV>::qk_all(n, tile.k, tile.k_stride, qp + rb * D, D, s + rb, mp);
 
         finish_scores<T>(p, s, nullptr, mp, rows, n, kt, b, kvh, q0, qn, position);
 
@@ -369,7 +384,7 @@ static void forward_block(const FwdParams& p, T* scratch, int64_t b, int64_t kvh
 
         /* O[c][rows] += V^T P. */
         for (int64_t rb = 0; rb < mp; rb += RB)
-            Blocked<T, NV>::pv_all(Dv, v_rows, v_row_stride, s + rb, mp, n, o + rb);
+            Blocked<T, NV>::pv_all(Dv, tile.v, tile.v_stride, s + rb, mp, n, o + rb);
     }
 
     /* Normalise and write: rows that saw no key get 0 and lse -inf. */
@@ -436,38 +451,15 @@ static void forward_block_dot(const FwdParams& p, T* scratch, int64_t b, int64_t
 
     for (int64_t kt = lo; kt < hi; kt += N) {
         const int64_t n = std::min(N, hi - kt);
-        const In* k_tile = at<In>(p.k, b * p.k_stride[0] + kvh * p.k_stride[1] + kt * p.k_stride[2]);
-        const In* v_tile = at<In>(p.v, b * p.v_stride[0] + kvh * p.v_stride[1] + kt * p.v_stride[2]);
-        const T* k_rows;
-        const T* v_rows;
-        int64_t k_row_stride, v_row_stride;
-        if constexpr (std::is_same<T, In>::value) {
-            k_rows = k_tile;
-            v_rows = v_tile;
-            k_row_stride = p.k_stride[2];
-            v_row_stride = p.v_stride[2];
-        } else {
-            for (int64_t j = 0; j < n; ++j) {
-                for (int64_t d = 0; d < D; ++d) k_converted[j * D + d] = load_as<T>(k_tile[j * p.k_stride[2] + d]);
-                for (int64_t d = 0; d < Dv; ++d) v_converted[j * Dv + d] = load_as<T>(v_tile[j * p.v_stride[2] + d]);
-            }
-            k_rows = k_converted;
-            v_rows = v_converted;
-            k_row_stride = D;
-            v_row_stride = Dv;
-        }
-        if (kt + N < hi) {
-            const int64_t next = std::min(N, hi - kt - N);
-            for (int64_t j = 0; j < next; ++j) {
-                const char* k_next = reinterpret_cast<const char*>(k_tile + (N + j) * p.k_stride[2]);
-                const char* v_next = reinterpret_cast<const char*>(v_tile + (N + j) * p.v_stride[2]);
-                for (int64_t byte = 0; byte < D * (int64_t)sizeof(In); byte += 64) __builtin_prefetch(k_next + byte);
-                for (int64_t byte = 0; byte < Dv * (int64_t)sizeof(In); byte += 64) __builtin_prefetch(v_next + byte);
-            }
-        }
+        KvTile<T, In> tile;
+        tile.load(p, b, kvh, kt, n, k_converted, v_converted);
+        if (kt + N < hi) prefetch_kv<In>(p, b, kvh, kt + N, std::min(N, hi - kt - N));
 
         /* Scores: dot products along D.  Full blocks of L keys keep L accumulators per row and
          * reduce them together (reduce_lanes); the rest take one horizontal sum per score. */
+        const T* k_rows = tile.k;
+        const T* v_rows = tile.v;
+        const int64_t k_row_stride = tile.k_stride, v_row_stride = tile.v_stride;
         int64_t j_done = 0;
         if (d_main == D) {
             const int* lane_key = reduced_lane_key<T>();

@@ -48,6 +48,23 @@ def plan(problem: AttentionProblem, threads: int) -> tuple[int, int]:
     return max(1, TILE_ROWS // problem.group_size), 1
 
 
+def _kernel_options(problem: AttentionProblem, extras: AttentionExtras) -> dict[str, Any]:
+    """The keyword arguments that the forward and backward kernels share."""
+    left, right = problem.window if problem.window is not None else (-1, -1)
+    return {
+        "scale": problem.scale,
+        "softcap": problem.softcap or 0.0,
+        "causal": problem.causal is not None,
+        "offset": problem.key_offset,
+        "window_left": left,
+        "window_right": right,
+        "mask": extras.mask,
+        "key_lengths": extras.key_lengths,
+        "key_tile": KEY_TILE,
+        "threads": _threads.get_num_threads(),
+    }
+
+
 class CpuBackend:
     """Cython/OpenMP kernels on numpy arrays (host memory)."""
 
@@ -72,28 +89,9 @@ class CpuBackend:
             np, (problem.batch, problem.heads_q, problem.seq_q, problem.head_dim_v), q.dtype, problem.layout
         )
         lse = np.empty((problem.batch, problem.heads_q, problem.seq_q), _arrays.accumulation_dtype(problem.dtype))
-        threads = _threads.get_num_threads()
-        block_queries, splits = plan(problem, threads)
-        left, right = problem.window if problem.window is not None else (-1, -1)
-        _flash.forward(
-            q,
-            k,
-            v,
-            out,
-            lse,
-            scale=problem.scale,
-            softcap=problem.softcap or 0.0,
-            causal=problem.causal is not None,
-            offset=problem.key_offset,
-            window_left=left,
-            window_right=right,
-            mask=extras.mask,
-            key_lengths=extras.key_lengths,
-            block_queries=block_queries,
-            key_tile=KEY_TILE,
-            splits=splits,
-            threads=threads,
-        )
+        options = _kernel_options(problem, extras)
+        block_queries, splits = plan(problem, options["threads"])
+        _flash.forward(q, k, v, out, lse, block_queries=block_queries, splits=splits, **options)
         return out, lse
 
     def backward(
@@ -109,25 +107,8 @@ class CpuBackend:
     ) -> tuple[Any, Any, Any]:
         """Return ``(dq, dk, dv)`` computed by the flash backward (deterministic at any thread count)."""
         grads = tuple(_arrays.empty_bhsd(np, x.shape, x.dtype, problem.layout) for x in (q, k, v))
-        left, right = problem.window if problem.window is not None else (-1, -1)
+        block_queries = max(1, TILE_ROWS // problem.group_size)
         _flash.backward(
-            dout,
-            q,
-            k,
-            v,
-            out,
-            lse,
-            *grads,
-            scale=problem.scale,
-            softcap=problem.softcap or 0.0,
-            causal=problem.causal is not None,
-            offset=problem.key_offset,
-            window_left=left,
-            window_right=right,
-            mask=extras.mask,
-            key_lengths=extras.key_lengths,
-            block_queries=max(1, TILE_ROWS // problem.group_size),
-            key_tile=KEY_TILE,
-            threads=_threads.get_num_threads(),
+            dout, q, k, v, out, lse, *grads, block_queries=block_queries, **_kernel_options(problem, extras)
         )
         return grads  # type: ignore[return-value]
