@@ -77,11 +77,15 @@ _kernel_args = _compile_args + _native_flags() + ["-std=gnu++17"]
 _link_args = _omp if sys.platform != "win32" else []
 
 extensions = [
+    # Built like the kernels (C++, same flags, same headers) so that the compiler, OpenMP and SIMD
+    # width it reports are the kernels' own.
     Extension(
         "fastattn._cpu._runtime",
         ["fastattn/_cpu/_runtime.pyx"],
         include_dirs=["fastattn/_cpu"],
-        extra_compile_args=_compile_args + _omp,
+        language="c++",
+        depends=["fastattn/_cpu/simd.h", "fastattn/_cpu/_omp_shim.h"],
+        extra_compile_args=_kernel_args + _omp,
         extra_link_args=_link_args,
     ),
     Extension(

@@ -10,12 +10,17 @@ from __future__ import annotations
 
 import numbers
 
-try:
-    from ._cpu import _runtime
-except ImportError:  # the compiled extension is missing: the cpu backend is unavailable anyway
-    _runtime = None
 
-_threads: int = _runtime.max_threads() if _runtime is not None else 1
+def _openmp_default() -> int:
+    """OpenMP's thread count (``OMP_NUM_THREADS`` or the cores), 1 without the compiled extension."""
+    try:
+        from ._cpu import _runtime
+    except ImportError:  # the compiled extension is missing: the cpu backend is unavailable anyway
+        return 1
+    return _runtime.max_threads()
+
+
+_threads: int = _openmp_default()
 
 
 def set_num_threads(n: int) -> None:

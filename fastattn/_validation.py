@@ -91,7 +91,7 @@ def _window(window: Any, seq_q: int, seq_k: int) -> tuple[int, int] | None:
 def _layout(layout: Any) -> Layout:
     if layout not in _LAYOUTS:
         raise ValueError(f"layout: expected 'bhsd' or 'bshd', received {layout!r}")
-    return layout  # type: ignore[no-any-return]
+    return layout
 
 
 def _native(name: str, value: Any, origin: _arrays.ArrayOrigin | None) -> tuple[Any, _arrays.ArrayOrigin]:
@@ -128,7 +128,7 @@ def _check_shape(name: str, native_bhsd: Any, expected: tuple[int, ...], layout:
 
 
 def _element_strides(native: Any) -> tuple[int, int, int, int]:
-    return tuple(stride // native.itemsize for stride in native.strides)  # type: ignore[return-value]
+    return tuple(stride // native.itemsize for stride in native.strides)
 
 
 def _mask(

@@ -24,7 +24,16 @@ __all__ = [
 ]
 
 
-def _check_backend_argument(backend: Any) -> None:
+def check_backend_argument(backend: Any) -> None:
+    """Check a ``backend=`` argument: None or the name of a registered backend.
+
+    Raises
+    ------
+    TypeError
+        ``backend`` is neither None nor a str.
+    ValueError
+        No backend of that name is registered.
+    """
     if backend is not None and not isinstance(backend, str):
         raise TypeError(f"backend: expected a backend name (str) or None, received {backend!r}")
     if backend is not None and backend not in registry.names():
@@ -93,7 +102,7 @@ def attention(
     """
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse: expected a bool, received {return_lse!r}")
-    _check_backend_argument(backend)
+    check_backend_argument(backend)
     call = prepare(
         "forward",
         {"q": q, "k": k, "v": v},
@@ -159,7 +168,7 @@ def attention_backward(
         Summed likewise.  All three in the inputs' dtype, framework, device and layout; rows that
         see no key and keys that nobody sees get exactly zero gradient.
     """
-    _check_backend_argument(backend)
+    check_backend_argument(backend)
     call = prepare(
         "backward",
         {"q": q, "k": k, "v": v, "dout": dout, "out": out, "lse": lse},
@@ -174,7 +183,7 @@ def attention_backward(
     chosen = registry.select(call.problem, backend)
     a = call.arrays
     grads = chosen.backward(call.problem, a["dout"], a["q"], a["k"], a["v"], a["out"], a["lse"], call.extras)
-    return tuple(  # type: ignore[return-value]
+    return tuple(
         _arrays.from_native(_arrays.swap_layout(grad, call.problem.layout), call.origin) for grad in grads
     )
 
@@ -204,7 +213,7 @@ def explain(
         ``chosen`` (forward), ``chosen_backward``, ``source`` of the choice, and ``reasons`` per
         registered backend.
     """
-    _check_backend_argument(backend)
+    check_backend_argument(backend)
     call: PreparedCall = prepare(
         "forward",
         {"q": q, "k": k, "v": v},
@@ -255,11 +264,72 @@ def scaled_dot_product_attention(
         In query's dtype, framework and device.  Unlike PyTorch, a row that sees no key gives
         zeros, not NaN.
     """
+    arguments = sdpa_arguments(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    out = _forward(arguments.call, None)
+    return out[:, 0] if arguments.unbatched_heads else out
+
+
+@dataclasses.dataclass(frozen=True)
+class SdpaArguments:
+    """``scaled_dot_product_attention``'s arguments, validated and mapped onto :func:`attention`'s.
+
+    Attributes
+    ----------
+    call : PreparedCall
+        The validated forward call (errors name query, key, value and attn_mask).
+    query, key, value : arrays, (N, H, L, E)
+        The caller's arrays, with a head axis of size 1 inserted when they were 3-D.
+    attn_mask : array or None
+        The caller's mask, likewise given a head axis when it was 3-D.
+    unbatched_heads : bool
+        Whether the inputs were 3-D, so the result's head axis must be dropped again.
+    """
+
+    call: PreparedCall
+    query: Any
+    key: Any
+    value: Any
+    attn_mask: Any
+    unbatched_heads: bool
+
+
+def sdpa_arguments(
+    query: Any,
+    key: Any,
+    value: Any,
+    attn_mask: Any,
+    dropout_p: Any,
+    is_causal: Any,
+    scale: Any,
+    enable_gqa: Any,
+) -> SdpaArguments:
+    """Validate :func:`scaled_dot_product_attention`'s arguments the way PyTorch does.
+
+    Shared by this module and ``fastattn.torch``, so both accept and refuse exactly the same calls.
+
+    Parameters
+    ----------
+    query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
+        As given to :func:`scaled_dot_product_attention`.
+
+    Returns
+    -------
+    SdpaArguments
+        The validated call and the (possibly head-expanded) arrays to hand to :func:`attention`.
+
+    Raises
+    ------
+    TypeError, ValueError
+        An argument is invalid; the message names it.
+    UnsupportedError
+        ``dropout_p > 0``.
+    """
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
         raise TypeError(f"dropout_p: expected a float in [0, 1], received {dropout_p!r}")
-    if not 0.0 <= dropout_p <= 1.0:
+    probability = float(dropout_p)
+    if not 0.0 <= probability <= 1.0:
         raise ValueError(f"dropout_p: expected a float in [0, 1], received {dropout_p!r}")
-    if dropout_p > 0.0:
+    if probability > 0.0:
         raise UnsupportedError(
             f"dropout_p={dropout_p} is not supported",
             ["attention dropout is not implemented by any fastattn backend; pass dropout_p=0.0"],
@@ -307,5 +377,5 @@ def scaled_dot_product_attention(
         mask=attn_mask,
         labels={"q": "query", "k": "key", "v": "value", "mask": "attn_mask"},
     )
-    out = _forward(call, None)
-    return out[:, 0] if unbatched_heads else out
+    return SdpaArguments(call, query, key, value, attn_mask, unbatched_heads)
+

@@ -203,7 +203,12 @@ def test_broadcast_kv_input_is_accepted() -> None:
 
 @pytest.mark.parametrize(
     ("dtype", "lse_dtype", "tol"),
-    [(BF16, np.float32, 3e-2), (np.float16, np.float32, 5e-3), (np.float32, np.float32, 1e-5), (np.float64, np.float64, 1e-10)],
+    [
+        (BF16, np.float32, 3e-2),
+        (np.float16, np.float32, 5e-3),
+        (np.float32, np.float32, 1e-5),
+        (np.float64, np.float64, 1e-10),
+    ],
     ids=["bfloat16", "float16", "float32", "float64"],
 )
 def test_output_dtypes(dtype: Any, lse_dtype: Any, tol: float) -> None:
@@ -345,7 +350,9 @@ def test_torch_in_torch_out(dtype_name: str, tol: float) -> None:
 def test_torch_bf16_matches_ml_dtypes_bits_and_oracle() -> None:
     torch = _torch()
     gen = torch.Generator().manual_seed(1)
-    q, k, v = (torch.randn(*shape, generator=gen).bfloat16() for shape in ((B, HQ, SQ, D), (B, HKV, SK, D), (B, HKV, SK, DV)))
+    q, k, v = (
+        torch.randn(*shape, generator=gen).bfloat16() for shape in ((B, HQ, SQ, D), (B, HKV, SK, D), (B, HKV, SK, DV))
+    )
     out = fastattn.attention(q, k, v)
     want = fastattn.attention(_np_of(q), _np_of(k), _np_of(v))
     assert want.dtype == BF16

@@ -678,12 +678,16 @@ def test_torch_inputs_untouched_on_error() -> None:
 # valid-looking extreme values must not escape as other exceptions or give silently wrong results
 
 
-@pytest.mark.parametrize("window", [(-1, 2**63 - 1), (2**70, 0), (0, 2**64)], ids=["right-maxsize", "left-2**70", "right-2**64"])
+@pytest.mark.parametrize(
+    "window", [(-1, 2**63 - 1), (2**70, 0), (0, 2**64)], ids=["right-maxsize", "left-2**70", "right-2**64"]
+)
 def test_window_huge_sides(window: tuple[int, int]) -> None:
     """A side larger than any sequence is unbounded; if refused, it must be a ValueError naming window."""
     a = _valid_call()
     left, right = window
-    unbounded = fastattn.attention(a["q"], a["k"], a["v"], window=(-1 if left > SK else left, -1 if right > SK else right))
+    unbounded = fastattn.attention(
+        a["q"], a["k"], a["v"], window=(-1 if left > SK else left, -1 if right > SK else right)
+    )
     try:
         out = fastattn.attention(a["q"], a["k"], a["v"], window=window)
     except ValueError as error:

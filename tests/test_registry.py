@@ -247,7 +247,11 @@ def test_selection_order(toy: Callable[..., ToyBackend], monkeypatch: pytest.Mon
     assert env.calls == ["forward", "backward", "forward"]
     monkeypatch.delenv(ENV)
     fastattn.attention(q, k, v)
-    assert _calls(arg, ctx, env) == [["forward", "backward"], ["forward", "backward"], ["forward", "backward", "forward"]]
+    assert _calls(arg, ctx, env) == [
+        ["forward", "backward"],
+        ["forward", "backward"],
+        ["forward", "backward", "forward"],
+    ]
 
 
 def test_explicit_choice_results_equal_reference(toy: Callable[..., ToyBackend]) -> None:
@@ -393,7 +397,9 @@ class _MissingBackward:
         raise AssertionError("never called")
 
 
-@pytest.mark.parametrize("candidate", [object(), "reference", _MissingBackward(), ToyBackend], ids=["object", "str", "no-backward", "class"])
+@pytest.mark.parametrize(
+    "candidate", [object(), "reference", _MissingBackward(), ToyBackend], ids=["object", "str", "no-backward", "class"]
+)
 def test_register_rejects_non_backends(candidate: Any) -> None:
     before = backends.names()
     with pytest.raises(TypeError, match=r"^backend:"):

@@ -69,7 +69,7 @@ class CpuBackend:
     """Cython/OpenMP kernels on numpy arrays (host memory)."""
 
     name = "cpu"
-    devices = ("cpu",)
+    devices: tuple[str, ...] = ("cpu",)
     priority = 20
 
     @property
@@ -111,4 +111,4 @@ class CpuBackend:
         _flash.backward(
             dout, q, k, v, out, lse, *grads, block_queries=block_queries, **_kernel_options(problem, extras)
         )
-        return grads  # type: ignore[return-value]
+        return grads

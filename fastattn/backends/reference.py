@@ -1,10 +1,10 @@
 """The reference backend: materialising attention over numpy or CuPy, the fallback for everything.
 
 It builds the full ``(B, Hkv, G, Sq, Sk)`` score tensor (G = Hq // Hkv query heads per kv head; K and
-V broadcast over G in batched matmuls, never repeated), applies the whole contract of DESIGN.md §3 to it, and computes the
-analytic backward from the saved ``lse``.  Arithmetic is float64 for float64 inputs and float32
-otherwise.  It accepts every valid problem on either device: it is the answer of last resort, not a
-fast path, and its memory is O(B·Hq·Sq·Sk).
+V broadcast over G in batched matmuls, never repeated), applies the whole contract of DESIGN.md §3
+to it, and computes the analytic backward from the saved ``lse``.  Arithmetic is float64 for float64
+inputs and float32 otherwise.  It accepts every valid problem on either device: it is the answer of
+last resort, not a fast path, and its memory is O(B·Hq·Sq·Sk).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ class ReferenceBackend:
     """Array-namespace-generic (numpy or CuPy) materialising implementation of the contract."""
 
     name = "reference"
-    devices = ("cpu", "cuda")
+    devices: tuple[str, ...] = ("cpu", "cuda")
     priority = 0
     description = "materialising numpy/CuPy implementation of the whole contract; O(Sq*Sk) memory"
 

@@ -779,7 +779,7 @@ class MultiheadAttention:
         for source in saved.sources:
             batch, seq = source.native.shape[:2]
             x = source.native.reshape(batch * seq, self.embed_dim).astype(compute, copy=False)
-            d_input = None
+            d_input: Any = None
             for run in _runs(source.projections):
                 rows = slice(self._rows[run[0]].start, self._rows[run[-1]].stop)
                 pieces = [d_projected[name].reshape(batch * seq, -1).astype(compute, copy=False) for name in run]

@@ -39,6 +39,10 @@ class RotaryEmbedding:
         ``base ** (-2i / head_dim)``, the rotation speed of pair i.
     """
 
+    head_dim: int
+    base: float
+    inv_freq: np.ndarray
+
     def __init__(self, head_dim: int, base: float = 10000.0) -> None:
         self.head_dim = positive_int("head_dim", head_dim)
         if self.head_dim % 2:

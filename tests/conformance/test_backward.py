@@ -99,7 +99,9 @@ def test_backward_matches_finite_differences(backend: str, case: Case, loss_seed
     kwargs = small.kwargs(inputs)
     out, lse = fastattn.attention(inputs["q"], inputs["k"], inputs["v"], backend=backend, return_lse=True, **kwargs)
     weights = np.random.default_rng(loss_seed).standard_normal(out.shape)
-    grads = fastattn.attention_backward(weights, inputs["q"], inputs["k"], inputs["v"], out, lse, backend=backend, **kwargs)
+    grads = fastattn.attention_backward(
+        weights, inputs["q"], inputs["k"], inputs["v"], out, lse, backend=backend, **kwargs
+    )
     # Central differences carry ~1e-10 absolute noise; compare against the size of the gradient's
     # terms (the oracle's magnitudes), not against a gradient that may cancel to nearly zero.
     magnitudes = [
