@@ -48,9 +48,15 @@ def plan(problem: AttentionProblem, threads: int) -> tuple[int, int]:
     return max(1, TILE_ROWS // problem.group_size), 1
 
 
+#: Below this many multiply-adds a call runs on the calling thread alone: waking the OpenMP team
+#: costs more than the work (tens of microseconds with passive waiting).
+SINGLE_THREAD_WORK = 1 << 20
+
+
 def _kernel_options(problem: AttentionProblem, extras: AttentionExtras) -> dict[str, Any]:
     """The keyword arguments that the forward and backward kernels share."""
     left, right = problem.window if problem.window is not None else (-1, -1)
+    work = problem.batch * problem.heads_q * problem.seq_q * problem.seq_k * (problem.head_dim + problem.head_dim_v)
     return {
         "scale": problem.scale,
         "softcap": problem.softcap or 0.0,
@@ -61,7 +67,7 @@ def _kernel_options(problem: AttentionProblem, extras: AttentionExtras) -> dict[
         "mask": extras.mask,
         "key_lengths": extras.key_lengths,
         "key_tile": KEY_TILE,
-        "threads": _threads.get_num_threads(),
+        "threads": 1 if work < SINGLE_THREAD_WORK else _threads.get_num_threads(),
     }
 
 
