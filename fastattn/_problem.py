@@ -45,6 +45,8 @@ class AttentionProblem:
         Kind of the ``mask`` argument.
     mask_shape : tuple of four ints or None
         The mask's shape, left-padded with 1s to four axes; each axis is 1 or the full size.
+    mask_dtype : str or None
+        The mask's dtype name (``"bool"``, ``"float32"``, ...).
     has_key_lengths : bool
         Whether ``key_lengths`` was given.
     q_strides, k_strides, v_strides : tuple of four ints
@@ -69,6 +71,7 @@ class AttentionProblem:
     softcap: float | None
     mask: MaskKind | None
     mask_shape: tuple[int, int, int, int] | None
+    mask_dtype: str | None
     has_key_lengths: bool
     q_strides: tuple[int, int, int, int]
     k_strides: tuple[int, int, int, int]

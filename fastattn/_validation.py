@@ -285,6 +285,7 @@ def prepare(
         softcap=_softcap(softcap),
         mask=mask_kind,  # type: ignore[arg-type]
         mask_shape=None if mask_native is None else tuple(mask_native.shape),
+        mask_dtype=None if mask_native is None else _arrays.dtype_name(mask_native.dtype),
         has_key_lengths=lengths is not None,
         q_strides=_element_strides(bhsd["q"]),
         k_strides=_element_strides(bhsd["k"]),

@@ -30,9 +30,13 @@ except ImportError as _error:  # the compiled extension is missing or broken
 else:
     register(CpuBackend())
 
-from .cuda import unavailable_reason as _cuda_unavailable_reason  # noqa: E402
+from .cuda import CudaBackend, unavailable_reason  # noqa: E402
 
-register_unavailable("cuda", _cuda_unavailable_reason())
+_cuda_reason = unavailable_reason()
+if _cuda_reason is None:
+    register(CudaBackend())
+else:
+    register_unavailable("cuda", _cuda_reason)
 
 __all__ = [
     "Backend",

@@ -1,17 +1,26 @@
-"""The ``cuda`` backend: CuPy RawKernel flash attention (issue #6).
+"""The ``cuda`` backend: CuPy RawKernel flash attention on tensor cores (issue #6).
 
-Until the kernels land this module only finds out why the backend is unavailable on this machine,
-so that ``fastattn.backends.available()`` can say so: CuPy missing, no CUDA device, or kernels not
-built yet.  On a machine with a device, cupy inputs run on the reference backend meanwhile.
+The forward kernel (float16/bfloat16, head_dim 32/64/96/128/256, Dv = D) is in
+``fastattn/_gpu/kernels/flash_forward.cu``.  It compiles in CI but has not yet run on a GPU:
+issue #6 owes the H100 runs.  What it declines (float32/float64, other head dims, Dv != D, the
+backward) runs on the reference backend, and ``explain`` says why.
 """
 
 from __future__ import annotations
 
 import importlib
+from typing import Any
+
+from .. import _arrays
+from .._gpu import forward as gpu_forward
+from .._problem import AttentionExtras, AttentionProblem
+from .registry import UnsupportedError
+
+_NO_BACKWARD = "the GPU backward is not built yet; the reference runs it"
 
 
-def unavailable_reason() -> str:
-    """Return why the cuda backend cannot be used here (it always has a reason at this stage)."""
+def unavailable_reason() -> str | None:
+    """Return why the cuda backend cannot be used here, or None when it can."""
     try:
         cupy = importlib.import_module("cupy")
     except ImportError as error:
@@ -22,4 +31,57 @@ def unavailable_reason() -> str:
         return f"no usable CUDA device ({type(error).__name__}: {error})"
     if count == 0:
         return "no CUDA device found"
-    return "the GPU kernels are not built yet (issue #6); cupy inputs run on the reference backend"
+    return None
+
+
+class CudaBackend:
+    """Tensor-core kernels on CuPy arrays (and torch CUDA tensors through DLPack)."""
+
+    name = "cuda"
+    devices: tuple[str, ...] = ("cuda",)
+    priority = 30
+    description = "CuPy/NVRTC tensor-core kernels (mma.sync), float16/bfloat16 forward"
+
+    def not_supported_reasons(self, problem: AttentionProblem) -> list[str]:
+        """Why this call cannot run on the GPU kernels (empty when it can)."""
+        reasons = []
+        if problem.direction == "backward":
+            reasons.append(_NO_BACKWARD)
+        if problem.dtype not in ("float16", "bfloat16"):
+            reasons.append(f"takes float16 or bfloat16 inputs, not {problem.dtype} (no fp32 path yet)")
+        if problem.head_dim not in gpu_forward.HEAD_DIMS:
+            reasons.append(f"takes head_dim in {gpu_forward.HEAD_DIMS}, not {problem.head_dim}")
+        if problem.head_dim_v != problem.head_dim:
+            reasons.append(f"needs Dv == D, received Dv={problem.head_dim_v}, D={problem.head_dim}")
+        row_strides = (*problem.q_strides[:3], *problem.k_strides[:3], *problem.v_strides[:3])
+        if any(stride % 8 for stride in row_strides):
+            reasons.append("needs row strides that are multiples of 8 elements (16-byte copies)")
+        if problem.mask == "float" and problem.mask_dtype not in gpu_forward.MASK_KINDS:
+            reasons.append(f"takes float masks in float32/float16/bfloat16, not {problem.mask_dtype}")
+        return reasons
+
+    def forward(
+        self, problem: AttentionProblem, q: Any, k: Any, v: Any, extras: AttentionExtras
+    ) -> tuple[Any, Any]:
+        """Return ``(out, lse)`` from the tensor-core kernel."""
+        cupy = importlib.import_module("cupy")
+        out = _arrays.empty_bhsd(
+            cupy, (problem.batch, problem.heads_q, problem.seq_q, problem.head_dim_v), q.dtype, problem.layout
+        )
+        lse = cupy.empty((problem.batch, problem.heads_q, problem.seq_q), dtype=cupy.float32)
+        gpu_forward.forward(problem, q, k, v, out, lse, extras)
+        return out, lse
+
+    def backward(
+        self,
+        problem: AttentionProblem,
+        dout: Any,
+        q: Any,
+        k: Any,
+        v: Any,
+        out: Any,
+        lse: Any,
+        extras: AttentionExtras,
+    ) -> tuple[Any, Any, Any]:
+        """Not built yet: raises :class:`UnsupportedError` (selection never routes here)."""
+        raise UnsupportedError("backend 'cuda' cannot run the backward", [_NO_BACKWARD])
