@@ -62,6 +62,9 @@ template <> struct Pack<__nv_bfloat16> {
     static __device__ __forceinline__ __nv_bfloat16 from_float(float x) { return __float2bfloat16_rn(x); }
 };
 
+// -inf without <cmath>'s INFINITY, which NVRTC does not provide.
+__device__ __forceinline__ float negative_infinity() { return __int_as_float(0xff800000); }
+
 __device__ __forceinline__ unsigned int smem_address(const void* pointer) {
     return static_cast<unsigned int>(__cvta_generic_to_shared(pointer));
 }
@@ -148,7 +151,7 @@ flash_forward(const Elem* __restrict__ q, const Elem* __restrict__ k, const Elem
 
     const int group_id = lane / 4, pair = (lane % 4) * 2;
     const int rows[2] = {m0 + warp * 16 + group_id, m0 + warp * 16 + group_id + 8};
-    float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
+    float row_max[2] = {negative_infinity(), negative_infinity()}, row_sum[2] = {0.f, 0.f};
     float acc[kOutBlocks][4];
 #pragma unroll
     for (int nb = 0; nb < kOutBlocks; ++nb) acc[nb][0] = acc[nb][1] = acc[nb][2] = acc[nb][3] = 0.f;
@@ -185,7 +188,7 @@ flash_forward(const Elem* __restrict__ q, const Elem* __restrict__ k, const Elem
         }
 
         // Softcap, masks, then the online softmax (exp2 with the scale folded in).
-        float tile_max[2] = {-INFINITY, -INFINITY};
+        float tile_max[2] = {negative_infinity(), negative_infinity()};
 #pragma unroll
         for (int nb = 0; nb < kKeyBlocks; ++nb) {
 #pragma unroll
@@ -203,7 +206,7 @@ flash_forward(const Elem* __restrict__ q, const Elem* __restrict__ k, const Elem
                     score += mask_value(mask, mask_kind, b * m_sb + h * m_sh + row * m_sq + key * m_sk, &allowed);
                     visible = allowed;
                 }
-                s[nb][e] = visible ? score * 1.4426950408889634f : -INFINITY;  // log2 units
+                s[nb][e] = visible ? score * 1.4426950408889634f : negative_infinity();  // log2 units
                 tile_max[e / 2] = fmaxf(tile_max[e / 2], s[nb][e]);
             }
         }
@@ -213,7 +216,7 @@ flash_forward(const Elem* __restrict__ q, const Elem* __restrict__ k, const Elem
             tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffff, tile_max[r], 1));
             tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffff, tile_max[r], 2));
             const float new_max = fmaxf(row_max[r], tile_max[r]);
-            const float shift = new_max == -INFINITY ? 0.f : new_max;
+            const float shift = new_max == negative_infinity() ? 0.f : new_max;
             alpha[r] = exp2f(row_max[r] - shift);
             row_max[r] = new_max;
             row_sum[r] *= alpha[r];
@@ -231,7 +234,7 @@ flash_forward(const Elem* __restrict__ q, const Elem* __restrict__ k, const Elem
             float prob[4];
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                const float shift = row_max[e / 2] == -INFINITY ? 0.f : row_max[e / 2];
+                const float shift = row_max[e / 2] == negative_infinity() ? 0.f : row_max[e / 2];
                 prob[e] = exp2f(s[nb][e] - shift);
                 row_sum[e / 2] += prob[e];
             }
@@ -272,7 +275,7 @@ flash_forward(const Elem* __restrict__ q, const Elem* __restrict__ k, const Elem
             dst[nb * 8 + pair + 1] = Pack<Elem>::from_float(acc[nb][r * 2 + 1] * inverse);
         }
         if ((lane % 4) == 0)
-            lse[b * lse_sb + h * lse_sh + row] = total > 0.f ? (row_max[r] + log2f(total)) * 0.6931471805599453f : -INFINITY;
+            lse[b * lse_sb + h * lse_sh + row] = total > 0.f ? (row_max[r] + log2f(total)) * 0.6931471805599453f : negative_infinity();
     }
 }
 
