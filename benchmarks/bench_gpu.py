@@ -23,6 +23,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from bench_cpu import forward_flops  # benchmarks/ is the script's directory, so on sys.path
+
 import fastattn
 
 CASES: dict[str, tuple[int, int, int, int, int, int, bool]] = {
@@ -34,12 +36,6 @@ CASES: dict[str, tuple[int, int, int, int, int, int, bool]] = {
     "G6": (2, 32, 8, 8192, 8192, 128, True),
     "G7": (32, 32, 8, 1, 4096, 128, False),
 }
-
-
-def forward_flops(batch: int, heads_q: int, seq_q: int, seq_k: int, dim: int, causal: bool) -> float:
-    """``4·B·Hq·Sq·Sk·D``, halved for causal with Sq = Sk (DESIGN.md §5)."""
-    flops = 4.0 * batch * heads_q * seq_q * seq_k * dim
-    return flops / 2 if causal and seq_q == seq_k else flops
 
 
 def median_ms(torch: Any, run: Callable[[int], Any], repeats: int) -> float:

@@ -21,6 +21,7 @@ from .. import _arrays, backends
 from ..functional import attention, attention_backward
 from . import _checks
 from ._device import array_module, native_input, to_device
+from ._heads import HeadLayout
 from ._masks import AttentionOptions, cache_options, right_padding_lengths, torch_masks
 from ._state_dict import check_dialect, detect_dialect, from_layer_names, to_layer_names
 from .kv_cache import KVCache
@@ -85,7 +86,7 @@ def _runs(projections: tuple[str, ...]) -> list[tuple[str, ...]]:
     return [tuple(run) for run in runs]
 
 
-class MultiheadAttention:
+class MultiheadAttention(HeadLayout):
     """Multi-head attention with grouped-query (GQA) and multi-query (MQA) variants.
 
     ``num_heads`` query heads share ``num_kv_heads`` key/value heads: query head h reads kv head
@@ -250,31 +251,6 @@ class MultiheadAttention:
 
     # ------------------------------------------------------------------------------------------
     # description
-
-    @property
-    def head_dim(self) -> int:
-        """Features per head, ``embed_dim // num_heads``."""
-        return self.embed_dim // self.num_heads
-
-    @property
-    def group_size(self) -> int:
-        """Query heads per kv head, ``num_heads // num_kv_heads``."""
-        return self.num_heads // self.num_kv_heads
-
-    @property
-    def is_mha(self) -> bool:
-        """One kv head per query head."""
-        return self.num_kv_heads == self.num_heads
-
-    @property
-    def is_mqa(self) -> bool:
-        """One kv head shared by several query heads."""
-        return self.num_kv_heads == 1 and self.num_heads > 1
-
-    @property
-    def is_gqa(self) -> bool:
-        """Several kv heads, each shared by several query heads."""
-        return 1 < self.num_kv_heads < self.num_heads
 
     def __repr__(self) -> str:
         extras = [f"bias={self.bias}", f"batch_first={self.batch_first}", f"causal={self.causal}"]

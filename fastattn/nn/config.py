@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import _checks
+from ._heads import HeadLayout
 from .attention import MultiheadAttention
 from .kv_cache import KVCache
 from .rope import RotaryEmbedding
@@ -28,7 +29,7 @@ def _human_bytes(count: float) -> str:
 
 
 @dataclass(frozen=True)
-class GQAConfig:
+class GQAConfig(HeadLayout):
     """The attention of a decoder-only model.
 
     Parameters
@@ -86,19 +87,9 @@ class GQAConfig:
         raise ValueError(f"name: expected one of {sorted(PRESETS)}, received {name!r}")
 
     @property
-    def head_dim(self) -> int:
-        """Features per head, ``embed_dim // num_heads``."""
-        return self.embed_dim // self.num_heads
-
-    @property
-    def group_size(self) -> int:
-        """Query heads per kv head."""
-        return self.num_heads // self.num_kv_heads
-
-    @property
     def kind(self) -> str:
         """``"MHA"``, ``"GQA"`` or ``"MQA"``."""
-        if self.num_kv_heads == self.num_heads:
+        if self.is_mha:
             return "MHA"
         return "MQA" if self.num_kv_heads == 1 else "GQA"
 
