@@ -9,21 +9,9 @@ GFLOP/s divided by the thread count: the whole kernel, softmax included, per thr
     python benchmarks/tile_gemm_ceiling.py
 """
 
-import statistics
-import time
-
 import numpy as np
+from bench_cpu import median_seconds  # benchmarks/ is the script's directory, so on sys.path
 from threadpoolctl import threadpool_info, threadpool_limits
-
-
-def median_seconds(run, repeats=5):
-    run()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def main():
@@ -33,7 +21,7 @@ def main():
         for rows, cols, depth in [(64, 128, 64), (64, 128, 128), (64, 64, 128), (128, 128, 128)]:
             a = rng.standard_normal((2000, rows, depth), dtype=np.float32)
             b = rng.standard_normal((2000, depth, cols), dtype=np.float32)
-            seconds = median_seconds(lambda: np.matmul(a, b))
+            seconds = median_seconds(lambda: np.matmul(a, b), 5)
             print(f"tile {rows}x{cols}x{depth}: {2 * rows * cols * depth * 2000 / seconds / 1e9:.1f} GFLOP/s, 1 thread")
 
 

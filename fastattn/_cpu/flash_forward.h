@@ -308,6 +308,25 @@ static inline void prefetch_kv(const FwdParams& p, int64_t b, int64_t kvh, int64
     }
 }
 
+/* Normalise one query row's accumulator (column c at acc[c * acc_stride]) and write it: to the
+ * partial buffers of a key split (row r), or to out and lse.  A row that saw no key gets 0 and
+ * lse -inf. */
+template <typename T, typename In>
+static inline void write_row(const FwdParams& p, int64_t b, int64_t h, int64_t i, int64_t r, const T* acc,
+                             int64_t acc_stride, T row_max, T row_sum, T* partial_out, T* partial_lse) {
+    const int64_t Dv = p.head_dim_v;
+    const T inverse = row_sum > 0 ? T(1) / row_sum : T(0);
+    const T lse = row_sum > 0 ? row_max + std::log(row_sum) : -std::numeric_limits<T>::infinity();
+    if (partial_out) {
+        for (int64_t c = 0; c < Dv; ++c) partial_out[r * Dv + c] = acc[c * acc_stride] * inverse;
+        partial_lse[r] = lse;
+        return;
+    }
+    In* dst = reinterpret_cast<In*>(p.out) + b * p.out_stride[0] + h * p.out_stride[1] + i * p.out_stride[2];
+    for (int64_t c = 0; c < Dv; ++c) dst[c] = Store<In>::from(acc[c * acc_stride] * inverse);
+    *(reinterpret_cast<T*>(p.lse) + b * p.lse_stride[0] + h * p.lse_stride[1] + i * p.lse_stride[2]) = lse;
+}
+
 /* ---- one work item ----------------------------------------------------------------------------- */
 
 template <typename T, typename In, int NV>
@@ -390,18 +409,7 @@ static void forward_block(const FwdParams& p, T* scratch, int64_t b, int64_t kvh
     /* Normalise and write: rows that saw no key get 0 and lse -inf. */
     for (int64_t r = 0; r < rows; ++r) {
         const int64_t g = r / qn, i = q0 + r % qn, h = kvh * G + g;
-        const T total = row_sum[r];
-        const T inverse = total > 0 ? T(1) / total : T(0);
-        const T lse = total > 0 ? row_max[r] + std::log(total) : neg_inf;
-        if (partial_out) {
-            for (int64_t c = 0; c < Dv; ++c) partial_out[r * Dv + c] = o[c * mp + r] * inverse;
-            partial_lse[r] = lse;
-        } else {
-            In* dst = reinterpret_cast<In*>(p.out) + b * p.out_stride[0] + h * p.out_stride[1] + i * p.out_stride[2];
-            for (int64_t c = 0; c < Dv; ++c) dst[c] = Store<In>::from(o[c * mp + r] * inverse);
-            T* lse_out = reinterpret_cast<T*>(p.lse) + b * p.lse_stride[0] + h * p.lse_stride[1] + i * p.lse_stride[2];
-            *lse_out = lse;
-        }
+        write_row<T, In>(p, b, h, i, r, o + r, mp, row_max[r], row_sum[r], partial_out, partial_lse);
     }
 }
 
@@ -568,21 +576,8 @@ static void forward_block_dot(const FwdParams& p, T* scratch, int64_t b, int64_t
         }
     }
 
-    for (int r = 0; r < R; ++r) {
-        const T total = row_sum[r];
-        const T inverse = total > 0 ? T(1) / total : T(0);
-        const T lse = total > 0 ? row_max[r] + std::log(total) : neg_inf;
-        if (partial_out) {
-            for (int64_t c = 0; c < Dv; ++c) partial_out[r * Dv + c] = o[r * Dv + c] * inverse;
-            partial_lse[r] = lse;
-        } else {
-            In* dst = reinterpret_cast<In*>(p.out) + b * p.out_stride[0] + head[r] * p.out_stride[1] +
-                      query[r] * p.out_stride[2];
-            for (int64_t c = 0; c < Dv; ++c) dst[c] = Store<In>::from(o[r * Dv + c] * inverse);
-            *(reinterpret_cast<T*>(p.lse) + b * p.lse_stride[0] + head[r] * p.lse_stride[1] +
-              query[r] * p.lse_stride[2]) = lse;
-        }
-    }
+    for (int r = 0; r < R; ++r)
+        write_row<T, In>(p, b, head[r], query[r], r, o + r * Dv, 1, row_max[r], row_sum[r], partial_out, partial_lse);
 }
 
 /* ---- items, dispatch and the split-KV combine ------------------------------------------------------ */
