@@ -21,96 +21,12 @@
 // at the last visible tile; fully masked tiles are never loaded), bool or float mask read by
 // strides, softcap, any strides with a contiguous last axis (16-byte aligned rows).  A row that sees
 // no key writes 0 and lse = -inf.
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
+#include "flash_common.cuh"
 
 namespace fastattn_gpu {
 
 constexpr int kWarps = 4;
 constexpr int kBlockM = 16 * kWarps;
-constexpr int kPad = 8;  // elements of padding per shared-memory row
-
-enum MaskKind { MASK_NONE = 0, MASK_BOOL = 1, MASK_FLOAT32 = 2, MASK_FLOAT16 = 3, MASK_BFLOAT16 = 4 };
-
-template <typename Elem> struct Pack;
-template <> struct Pack<__half> {
-    static __device__ __forceinline__ unsigned int two(float lo, float hi) {
-        __half2 v = __floats2half2_rn(lo, hi);
-        return *reinterpret_cast<unsigned int*>(&v);
-    }
-    static __device__ __forceinline__ void mma(float* c, const unsigned int* a, const unsigned int* b) {
-        asm volatile(
-            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-            "{%0,%1,%2,%3};\n"
-            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-    }
-    static __device__ __forceinline__ __half from_float(float x) { return __float2half_rn(x); }
-};
-template <> struct Pack<__nv_bfloat16> {
-    static __device__ __forceinline__ unsigned int two(float lo, float hi) {
-        __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-        return *reinterpret_cast<unsigned int*>(&v);
-    }
-    static __device__ __forceinline__ void mma(float* c, const unsigned int* a, const unsigned int* b) {
-        asm volatile(
-            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-            "{%0,%1,%2,%3};\n"
-            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-    }
-    static __device__ __forceinline__ __nv_bfloat16 from_float(float x) { return __float2bfloat16_rn(x); }
-};
-
-// -inf without <cmath>'s INFINITY, which NVRTC does not provide.
-__device__ __forceinline__ float negative_infinity() { return __int_as_float(0xff800000); }
-
-__device__ __forceinline__ unsigned int smem_address(const void* pointer) {
-    return static_cast<unsigned int>(__cvta_generic_to_shared(pointer));
-}
-
-__device__ __forceinline__ void ldmatrix_x4(unsigned int* r, const void* pointer) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(smem_address(pointer)));
-}
-
-__device__ __forceinline__ void ldmatrix_x4_trans(unsigned int* r, const void* pointer) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(smem_address(pointer)));
-}
-
-// 16-byte global -> shared copy; `valid` false zero-fills the destination.
-__device__ __forceinline__ void cp_async_16(void* dst, const void* src, bool valid) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_address(dst)), "l"(src),
-                 "r"(valid ? 16 : 0));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
-
-// Copy `rows` rows (from `first`, up to `limit`) of HEAD_DIM elements into a padded smem tile.
-template <typename Elem, int HEAD_DIM, int ROWS>
-__device__ __forceinline__ void load_tile(Elem* tile, const Elem* base, long long row_stride, long long first,
-                                          long long limit) {
-    constexpr int chunks_per_row = HEAD_DIM / 8;
-    for (int chunk = threadIdx.x; chunk < ROWS * chunks_per_row; chunk += kWarps * 32) {
-        const int row = chunk / chunks_per_row, col = (chunk % chunks_per_row) * 8;
-        const bool valid = first + row < limit;
-        const Elem* src = base + (valid ? (first + row) * row_stride : 0) + col;
-        cp_async_16(tile + row * (HEAD_DIM + kPad) + col, src, valid);
-    }
-}
-
-__device__ __forceinline__ float mask_value(const void* mask, int kind, long long element, bool* visible) {
-    switch (kind) {
-        case MASK_BOOL: *visible = static_cast<const unsigned char*>(mask)[element] != 0; return 0.f;
-        case MASK_FLOAT32: return static_cast<const float*>(mask)[element];
-        case MASK_FLOAT16: return __half2float(static_cast<const __half*>(mask)[element]);
-        case MASK_BFLOAT16: return __bfloat162float(static_cast<const __nv_bfloat16*>(mask)[element]);
-        default: return 0.f;
-    }
-}
 
 template <typename Elem, int HEAD_DIM, int BLOCK_N>
 __global__ void __launch_bounds__(kWarps * 32)
@@ -136,17 +52,16 @@ flash_forward(const Elem* __restrict__ q, const Elem* __restrict__ k, const Elem
     const Elem* k_base = k + b * k_sb + kvh * k_sh;
     const Elem* v_base = v + b * v_sb + kvh * v_sh;
 
+    const ScoreRule rule{seq_q, causal, offset, window_left, window_right, scale, softcap,
+                         mask, mask_kind, m_sb, m_sh, m_sq, m_sk};
     // Keys any row of this block can see.
-    const int first_pos = m0 + offset, last_pos = min(m0 + kBlockM, seq_q) - 1 + offset;
-    int lo = 0, hi = key_lengths ? static_cast<int>(key_lengths[b]) : seq_k;
-    if (causal) hi = min(hi, last_pos + 1);
-    if (window_left >= 0) lo = max(lo, first_pos - window_left);
-    if (window_right >= 0) hi = min(hi, last_pos + window_right + 1);
+    int lo, hi;
+    rule.key_range(m0, min(m0 + kBlockM, seq_q) - 1, key_lengths ? static_cast<int>(key_lengths[b]) : seq_k, &lo, &hi);
     lo = max(lo, 0) / BLOCK_N * BLOCK_N;
 
-    load_tile<Elem, HEAD_DIM, kBlockM>(q_tile, q_base, q_ss, m0, seq_q);
-    if (lo < hi) load_tile<Elem, HEAD_DIM, BLOCK_N>(k_tiles, k_base, k_ss, lo, hi);
-    if (lo < hi) load_tile<Elem, HEAD_DIM, BLOCK_N>(v_tiles, v_base, v_ss, lo, hi);
+    load_tile<Elem, HEAD_DIM, kBlockM, kWarps * 32>(q_tile, q_base, q_ss, m0, seq_q);
+    if (lo < hi) load_tile<Elem, HEAD_DIM, BLOCK_N, kWarps * 32>(k_tiles, k_base, k_ss, lo, hi);
+    if (lo < hi) load_tile<Elem, HEAD_DIM, BLOCK_N, kWarps * 32>(v_tiles, v_base, v_ss, lo, hi);
     cp_async_commit();
 
     const int group_id = lane / 4, pair = (lane % 4) * 2;
@@ -159,8 +74,8 @@ flash_forward(const Elem* __restrict__ q, const Elem* __restrict__ k, const Elem
     int stage = 0;
     for (int kt = lo; kt < hi; kt += BLOCK_N, stage ^= 1) {
         if (kt + BLOCK_N < hi) {  // prefetch the next tile into the other stage
-            load_tile<Elem, HEAD_DIM, BLOCK_N>(k_tiles + (stage ^ 1) * BLOCK_N * kRow, k_base, k_ss, kt + BLOCK_N, hi);
-            load_tile<Elem, HEAD_DIM, BLOCK_N>(v_tiles + (stage ^ 1) * BLOCK_N * kRow, v_base, v_ss, kt + BLOCK_N, hi);
+            load_tile<Elem, HEAD_DIM, BLOCK_N, kWarps * 32>(k_tiles + (stage ^ 1) * BLOCK_N * kRow, k_base, k_ss, kt + BLOCK_N, hi);
+            load_tile<Elem, HEAD_DIM, BLOCK_N, kWarps * 32>(v_tiles + (stage ^ 1) * BLOCK_N * kRow, v_base, v_ss, kt + BLOCK_N, hi);
         }
         cp_async_commit();
         cp_async_wait<1>();
@@ -193,20 +108,8 @@ flash_forward(const Elem* __restrict__ q, const Elem* __restrict__ k, const Elem
         for (int nb = 0; nb < kKeyBlocks; ++nb) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                const int row = rows[e / 2], key = kt + nb * 8 + pair + (e % 2);
-                const int pos = row + offset;
-                float score = s[nb][e] * scale;
-                if (softcap > 0.f) score = softcap * tanhf(score / softcap);
-                bool visible = row < seq_q && key < hi;
-                if (causal) visible = visible && key <= pos;
-                if (window_left >= 0) visible = visible && key >= pos - window_left;
-                if (window_right >= 0) visible = visible && key <= pos + window_right;
-                if (mask_kind != MASK_NONE && visible) {
-                    bool allowed = true;
-                    score += mask_value(mask, mask_kind, b * m_sb + h * m_sh + row * m_sq + key * m_sk, &allowed);
-                    visible = allowed;
-                }
-                s[nb][e] = visible ? score * 1.4426950408889634f : negative_infinity();  // log2 units
+                float capped;
+                s[nb][e] = rule.log2_score(s[nb][e], b, h, rows[e / 2], kt + nb * 8 + pair + (e % 2), hi, &capped);
                 tile_max[e / 2] = fmaxf(tile_max[e / 2], s[nb][e]);
             }
         }
