@@ -51,6 +51,9 @@ class AttentionProblem:
         Whether ``key_lengths`` was given.
     q_strides, k_strides, v_strides : tuple of four ints
         Element strides of q, k, v in ``(B, H, S, D)`` order (last one 1 unless that axis is 1).
+    deterministic : bool
+        Backward only: gradients must be bit-identical from run to run (no floating-point atomics
+        whose order varies).  Backends that are always deterministic ignore it.
     """
 
     direction: Direction
@@ -76,6 +79,7 @@ class AttentionProblem:
     q_strides: tuple[int, int, int, int]
     k_strides: tuple[int, int, int, int]
     v_strides: tuple[int, int, int, int]
+    deterministic: bool = False
 
     @property
     def group_size(self) -> int:
@@ -104,6 +108,8 @@ class AttentionProblem:
             features.append("key_lengths")
         if self.softcap is not None:
             features.append(f"softcap={self.softcap:g}")
+        if self.deterministic:
+            features.append("deterministic")
         return ", ".join(features)
 
 

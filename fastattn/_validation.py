@@ -192,6 +192,7 @@ def prepare(
     softcap: Any = None,
     layout: Any = "bhsd",
     labels: dict[str, str] | None = None,
+    deterministic: Any = False,
 ) -> PreparedCall:
     """Validate a call and build its problem.
 
@@ -207,6 +208,8 @@ def prepare(
     labels : dict, optional
         The caller's names for ``q``, ``k``, ``v`` and ``mask`` in error messages (for
         ``scaled_dot_product_attention``: query, key, value, attn_mask).
+    deterministic : bool
+        As in :func:`fastattn.attention_backward`.
 
     Returns
     -------
@@ -215,6 +218,8 @@ def prepare(
         last axis was not contiguous), the problem, the extras and the caller's origin.
     """
     label = {"q": "q", "k": "k", "v": "v", "mask": "mask", **(labels or {})}
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic: expected a bool, received {_arrays.describe_value(deterministic)}")
     layout = _layout(layout)
     native_q, origin = _native(label["q"], arrays["q"], None)
     dtype = _float_input(label["q"], native_q, None)
@@ -290,5 +295,6 @@ def prepare(
         q_strides=_element_strides(bhsd["q"]),
         k_strides=_element_strides(bhsd["k"]),
         v_strides=_element_strides(bhsd["v"]),
+        deterministic=deterministic,
     )
     return PreparedCall(problem, bhsd, AttentionExtras(mask_native, lengths), origin)

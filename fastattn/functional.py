@@ -143,6 +143,7 @@ def attention_backward(
     softcap: float | None = None,
     layout: str = "bhsd",
     backend: str | None = None,
+    deterministic: bool = False,
 ) -> tuple[Any, Any, Any]:
     """Gradients of :func:`attention` with respect to q, k and v.
 
@@ -158,6 +159,10 @@ def attention_backward(
         The forward's ``lse`` (``return_lse=True``); float32, float64 for float64 inputs.
     causal, scale, mask, key_lengths, window, softcap, layout, backend
         Exactly as given to the forward.
+    deterministic : bool
+        Make the gradients bit-identical from run to run.  The cpu and reference backends always
+        are; the cuda backend then computes dq in a separate pass over query blocks instead of
+        adding it through float32 atomics (slower).
 
     Returns
     -------
@@ -179,6 +184,7 @@ def attention_backward(
         window=window,
         softcap=softcap,
         layout=layout,
+        deterministic=deterministic,
     )
     chosen = registry.select(call.problem, backend)
     a = call.arrays

@@ -70,6 +70,20 @@ def test_backward_is_bit_identical_at_any_thread_count(threads) -> None:
         assert all(np.array_equal(a, b) for a, b in zip(grads, results[0]))
 
 
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_deterministic_flag_changes_nothing_where_always_deterministic(backend: str) -> None:
+    """attention_backward(deterministic=True) is accepted and gives the very same gradients."""
+    rng = np.random.default_rng()
+    q = rng.standard_normal((1, 4, 70, 32), dtype=np.float32)
+    k = rng.standard_normal((1, 2, 90, 32), dtype=np.float32)
+    v = rng.standard_normal((1, 2, 90, 16), dtype=np.float32)
+    out, lse = fastattn.attention(q, k, v, causal=True, return_lse=True, backend=backend)
+    dout = rng.standard_normal(out.shape, dtype=np.float32)
+    plain = fastattn.attention_backward(dout, q, k, v, out, lse, causal=True, backend=backend)
+    pinned = fastattn.attention_backward(dout, q, k, v, out, lse, causal=True, backend=backend, deterministic=True)
+    assert all(np.array_equal(a, b) for a, b in zip(plain, pinned))
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     seq_q=st.integers(1, cpu_backend.DECODE_MAX_QUERIES),

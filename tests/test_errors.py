@@ -302,6 +302,9 @@ BACKWARD_ONLY_CASES = [
     ("lse-kv-heads", _set(lse=lambda a: np.zeros((B, HKV, SQ), np.float32)), ValueError, "lse"),
     ("lse-4d", _set(lse=lambda a: a["lse"][..., None]), ValueError, "lse"),
     ("lse-2d", _set(lse=lambda a: a["lse"][0]), ValueError, "lse"),
+    ("deterministic-int", _set(deterministic=lambda a: 1), TypeError, "deterministic"),
+    ("deterministic-str", _set(deterministic=lambda a: "yes"), TypeError, "deterministic"),
+    ("deterministic-None", _set(deterministic=lambda a: None), TypeError, "deterministic"),
 ]
 
 

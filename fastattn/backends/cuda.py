@@ -2,21 +2,24 @@
 
 The forward kernel (float16/bfloat16, head_dim 32/64/96/128/256, Dv = D) is in
 ``fastattn/_gpu/kernels/flash_forward.cu``.  It compiles in CI but has not yet run on a GPU:
-issue #6 owes the H100 runs.  What it declines (float32/float64, other head dims, Dv != D, the
-backward) runs on the reference backend, and ``explain`` says why.
+issue #6 owes the H100 runs.  The backward (same inputs) is in ``flash_backward.cu``; it compiles
+in CI but has not yet run on a GPU (issue #12 owes the runs).  What it declines
+(float32/float64, other head dims, Dv != D) runs on the reference backend, and ``explain`` says why.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 from typing import Any
 
 from .. import _arrays
+from .._gpu import _launch as gpu_launch
+from .._gpu import backward as gpu_backward
 from .._gpu import forward as gpu_forward
 from .._problem import AttentionExtras, AttentionProblem
-from .registry import UnsupportedError
 
-_NO_BACKWARD = "the GPU backward is not built yet; the reference runs it"
+_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN = 97  # cudaDevAttrMaxSharedMemoryPerBlockOptin
 
 
 def unavailable_reason() -> str | None:
@@ -40,13 +43,11 @@ class CudaBackend:
     name = "cuda"
     devices: tuple[str, ...] = ("cuda",)
     priority = 30
-    description = "CuPy/NVRTC tensor-core kernels (mma.sync), float16/bfloat16 forward"
+    description = "CuPy/NVRTC tensor-core kernels (mma.sync), float16/bfloat16 forward and backward"
 
     def not_supported_reasons(self, problem: AttentionProblem) -> list[str]:
         """Why this call cannot run on the GPU kernels (empty when it can)."""
         reasons = []
-        if problem.direction == "backward":
-            reasons.append(_NO_BACKWARD)
         if problem.dtype not in ("float16", "bfloat16"):
             reasons.append(f"takes float16 or bfloat16 inputs, not {problem.dtype} (no fp32 path yet)")
         if problem.head_dim not in gpu_forward.HEAD_DIMS:
@@ -58,6 +59,8 @@ class CudaBackend:
             reasons.append("needs row strides that are multiples of 8 elements (16-byte copies)")
         if problem.mask == "float" and problem.mask_dtype not in gpu_forward.MASK_KINDS:
             reasons.append(f"takes float masks in float32/float16/bfloat16, not {problem.mask_dtype}")
+        if problem.direction == "backward" and problem.head_dim in gpu_backward.HEAD_DIMS:
+            reasons.extend(_backward_shared_memory_reasons(problem))
         return reasons
 
     def forward(
@@ -83,5 +86,37 @@ class CudaBackend:
         lse: Any,
         extras: AttentionExtras,
     ) -> tuple[Any, Any, Any]:
-        """Not built yet: raises :class:`UnsupportedError` (selection never routes here)."""
-        raise UnsupportedError("backend 'cuda' cannot run the backward", [_NO_BACKWARD])
+        """Return ``(dq, dk, dv)`` from the tensor-core kernels (dk, dv summed over each GQA group)."""
+        cupy = importlib.import_module("cupy")
+        inputs = {"q": q, "k": k, "v": v, "dout": dout, "out": out}
+        arrays = {name: gpu_backward.aligned(array) for name, array in inputs.items()}
+        arrays["lse"] = lse
+        b, hq, hkv, sq, sk = problem.batch, problem.heads_q, problem.heads_kv, problem.seq_q, problem.seq_k
+        with gpu_launch.stream(problem.framework):  # allocated on the stream that writes them
+            grads = (
+                _arrays.empty_bhsd(cupy, (b, hq, sq, problem.head_dim), q.dtype, problem.layout),
+                _arrays.empty_bhsd(cupy, (b, hkv, sk, problem.head_dim), k.dtype, problem.layout),
+                _arrays.empty_bhsd(cupy, (b, hkv, sk, problem.head_dim_v), v.dtype, problem.layout),
+            )
+        gpu_backward.backward(problem, arrays, grads, extras)
+        return grads
+
+
+def _backward_shared_memory_reasons(problem: AttentionProblem) -> list[str]:
+    """The backward's blocks need more shared memory than this GPU grants one block (sm_86/sm_89)."""
+    cupy = importlib.import_module("cupy")
+    needed = gpu_backward.shared_bytes(problem.head_dim, problem.deterministic)
+    granted = _shared_memory_per_block(cupy.cuda.runtime.getDevice())
+    if needed <= granted:
+        return []
+    return [
+        f"the backward for head_dim {problem.head_dim} needs {needed} bytes of shared memory per block; "
+        f"this GPU grants {granted}"
+    ]
+
+
+@functools.cache
+def _shared_memory_per_block(device: int) -> int:
+    """The most dynamic shared memory one block may opt into on ``device``."""
+    cupy = importlib.import_module("cupy")
+    return int(cupy.cuda.runtime.deviceGetAttribute(_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, device))

@@ -29,7 +29,7 @@ def _forward_for_backward(case: Case, inputs: dict) -> tuple:
     )
 
 
-def check_backward(backend: str, device: str, case: Case) -> None:
+def check_backward(backend: str, device: str, case: Case, deterministic: bool = False) -> None:
     inputs = make_inputs(case, device)
     out, lse = _forward_for_backward(case, inputs)
     dout = dout_like(case, device)
@@ -41,7 +41,12 @@ def check_backward(backend: str, device: str, case: Case) -> None:
             fastattn.attention_backward(*arrays.values(), backend=backend, **case.kwargs(inputs))
         assert raised.value.reasons == explanation_reasons
         return
-    dq, dk, dv = fastattn.attention_backward(*arrays.values(), backend=backend, **case.kwargs(inputs))
+    options = dict(case.kwargs(inputs), backend=backend, deterministic=deterministic)
+    dq, dk, dv = fastattn.attention_backward(*arrays.values(), **options)
+    if deterministic:
+        again = fastattn.attention_backward(*arrays.values(), **options)
+        for first, second, name in zip((dq, dk, dv), again, ("dq", "dk", "dv")):
+            assert np.array_equal(to_host(first), to_host(second)), f"{name} differs between two runs"
     for name, value in before.items():
         assert np.array_equal(to_host(arrays[name]), value, equal_nan=True), f"{name} was written to"
     for grad, name in ((dq, "q"), (dk, "k"), (dv, "v")):
@@ -86,6 +91,13 @@ def test_backward_matches_oracle(backend: str, device: str, case: Case) -> None:
 @given(case=cases(dtypes=("float16", "bfloat16")))
 def test_backward_half_precision_matches_oracle(backend: str, device: str, case: Case) -> None:
     check_backward(backend, device, case)
+
+
+@settings(max_examples=40)
+@given(case=cases(dtypes=("float32", "float16", "bfloat16")))
+def test_deterministic_backward_is_reproducible(backend: str, device: str, case: Case) -> None:
+    """deterministic=True: the same tolerances, and bit-identical gradients from two calls."""
+    check_backward(backend, device, case, deterministic=True)
 
 
 @settings(max_examples=25)

@@ -2,7 +2,7 @@
 // ldmatrix, cp.async, padded tile loads, and the contract's visibility rules (DESIGN.md §3).
 //
 // NVRTC has no <cmath> and no INFINITY: only cuda_fp16.h and cuda_bf16.h are included, and -inf is
-// built from its bit pattern.  The launchers (fastattn/_gpu/_compile.py) paste this header into each
+// built from its bit pattern.  The launchers (fastattn/_gpu/_launch.py) paste this header into each
 // source in place of its #include line, so that CuPy's kernel cache, keyed on the source text, sees
 // every change to it; nvcc (CI's compile check) reads it through the #include.
 #ifndef FASTATTN_FLASH_COMMON_CUH
