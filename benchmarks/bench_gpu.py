@@ -7,8 +7,13 @@ each call, one warm-up, the median of ``--repeats`` calls, the inputs rotated am
 copies so that no call finds its operands in L2 from the previous one.  TFLOP/s use DESIGN.md's
 FLOP count; decode (G7) reports the K/V bytes streamed per second instead.
 
+With ``--backward``, G1-G6 are also timed forward+backward in the same run: one forward and
+``torch.autograd.grad`` of q, k and v (fastattn through ``fastattn.torch.attention``), FLOPs 3.5x
+the forward's, in a second table.
+
     python benchmarks/bench_gpu.py                      # -> benchmarks/results/h100-<date>.json
     python benchmarks/bench_gpu.py --cases G1 G5 --dtypes bfloat16
+    python benchmarks/bench_gpu.py --backward           # forward, then forward+backward tables
 """
 
 from __future__ import annotations
@@ -36,6 +41,10 @@ CASES: dict[str, tuple[int, int, int, int, int, int, bool]] = {
     "G6": (2, 32, 8, 8192, 8192, 128, True),
     "G7": (32, 32, 8, 1, 4096, 128, False),
 }
+#: Cases timed forward+backward with --backward (G7 is decode: no training step).
+BACKWARD_CASES = ("G1", "G2", "G3", "G4", "G5", "G6")
+#: DESIGN.md §5: forward+backward costs 3.5x the forward's FLOPs.
+BACKWARD_FLOP_FACTOR = 3.5
 
 
 def median_ms(torch: Any, run: Callable[[int], Any], repeats: int) -> float:
@@ -72,36 +81,67 @@ def implementations(torch: Any) -> dict[str, Callable[..., Any]]:
     return {"fastattn cuda": fastattn_cuda, "torch default": torch_default, "torch flash": torch_flash}
 
 
-def run_case(torch: Any, name: str, dtype: str, repeats: int, rotate: int) -> list[dict[str, Any]]:
+def training_implementations(torch: Any) -> dict[str, Callable[..., Any]]:
+    """Each takes (q, k, v, dout, causal), q/k/v requiring grad, and returns (dq, dk, dv)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import fastattn.torch as fastattn_torch
+
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def fastattn_cuda(q, k, v, dout, causal):
+        out = fastattn_torch.attention(q, k, v, causal=causal, backend="cuda")
+        return torch.autograd.grad(out, (q, k, v), dout)
+
+    def torch_default(q, k, v, dout, causal):
+        out = sdpa(q, k, v, is_causal=causal, enable_gqa=q.shape[1] != k.shape[1])
+        return torch.autograd.grad(out, (q, k, v), dout)
+
+    def torch_flash(q, k, v, dout, causal):
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            out = sdpa(q, k, v, is_causal=causal, enable_gqa=q.shape[1] != k.shape[1])
+            return torch.autograd.grad(out, (q, k, v), dout)
+
+    return {"fastattn cuda": fastattn_cuda, "torch default": torch_default, "torch flash": torch_flash}
+
+
+def run_case(
+    torch: Any, name: str, dtype: str, repeats: int, rotate: int, direction: str = "forward"
+) -> list[dict[str, Any]]:
+    """Time every implementation on one case; ``direction`` is "forward" or "forward+backward"."""
     batch, heads_q, heads_kv, seq_q, seq_k, dim, causal = CASES[name]
     element = getattr(torch, dtype)
+    training = direction == "forward+backward"
+    shapes = [(batch, heads_q, seq_q, dim), (batch, heads_kv, seq_k, dim), (batch, heads_kv, seq_k, dim)]
+    if training:
+        shapes.append((batch, heads_q, seq_q, dim))  # dout
     copies = [
         tuple(
-            torch.randn(shape, device="cuda", dtype=element)
-            for shape in ((batch, heads_q, seq_q, dim), (batch, heads_kv, seq_k, dim), (batch, heads_kv, seq_k, dim))
+            torch.randn(shape, device="cuda", dtype=element, requires_grad=training and index < 3)
+            for index, shape in enumerate(shapes)
         )
         for _ in range(rotate)
     ]
-    flops = forward_flops(batch, heads_q, seq_q, seq_k, dim, causal)
+    flops = forward_flops(batch, heads_q, seq_q, seq_k, dim, causal) * (BACKWARD_FLOP_FACTOR if training else 1)
     kv_bytes = 2 * batch * heads_kv * seq_k * dim * copies[0][0].element_size()
     rows = []
-    for label, call in implementations(torch).items():
+    calls = training_implementations(torch) if training else implementations(torch)
+    for label, call in calls.items():
+        row = {"case": name, "dtype": dtype, "pass": direction, "implementation": label}
         try:
             milliseconds = median_ms(torch, lambda i, call=call: call(*copies[i % rotate], causal), repeats)
         except (RuntimeError, fastattn.UnsupportedError) as error:  # a torch backend that declines
-            rows.append({"case": name, "dtype": dtype, "implementation": label, "error": str(error)[:200]})
+            rows.append({**row, "error": str(error)[:200]})
             continue
         rows.append(
             {
-                "case": name,
-                "dtype": dtype,
-                "implementation": label,
+                **row,
                 "median_ms": milliseconds,
                 "tflops": flops / milliseconds / 1e9,
                 "kv_tbytes_per_s": kv_bytes / milliseconds / 1e9,
             }
         )
-        print(f"  {name} {dtype} {label}: {milliseconds:.3f} ms", file=sys.stderr, flush=True)
+        print(f"  {name} {dtype} {direction} {label}: {milliseconds:.3f} ms", file=sys.stderr, flush=True)
     return rows
 
 
@@ -132,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--rotate", type=int, default=4, help="input copies cycled through (defeats L2 reuse)")
     parser.add_argument("--json", type=Path, help="output path (default benchmarks/results/h100-<date>.json)")
+    parser.add_argument("--backward", action="store_true", help="also time forward+backward on G1-G6")
     arguments = parser.parse_args(argv)
     import torch
 
@@ -145,6 +186,17 @@ def main(argv: list[str] | None = None) -> int:
         for row in run_case(torch, name, dtype, arguments.repeats, arguments.rotate)
     ]
     print(format_table(rows))
+    if arguments.backward:
+        training = [
+            row
+            for dtype in arguments.dtypes
+            for name in arguments.cases
+            if name in BACKWARD_CASES
+            for row in run_case(torch, name, dtype, arguments.repeats, arguments.rotate, "forward+backward")
+        ]
+        print(f"\nforward+backward (FLOPs {BACKWARD_FLOP_FACTOR}x the forward's)")
+        print(format_table(training))
+        rows += training
     report = {
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(),
