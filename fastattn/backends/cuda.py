@@ -89,16 +89,17 @@ class CudaBackend:
         """Return ``(dq, dk, dv)`` from the tensor-core kernels (dk, dv summed over each GQA group)."""
         cupy = importlib.import_module("cupy")
         inputs = {"q": q, "k": k, "v": v, "dout": dout, "out": out}
-        arrays = {name: gpu_backward.aligned(array) for name, array in inputs.items()}
-        arrays["lse"] = lse
         b, hq, hkv, sq, sk = problem.batch, problem.heads_q, problem.heads_kv, problem.seq_q, problem.seq_k
-        with gpu_launch.stream(problem.framework):  # allocated on the stream that writes them
+        # Copies and outputs are made on the stream the kernels run on, so they are ordered with them.
+        with gpu_launch.stream(problem.framework):
+            arrays = {name: gpu_backward.aligned(array) for name, array in inputs.items()}
+            arrays["lse"] = lse
             grads = (
                 _arrays.empty_bhsd(cupy, (b, hq, sq, problem.head_dim), q.dtype, problem.layout),
                 _arrays.empty_bhsd(cupy, (b, hkv, sk, problem.head_dim), k.dtype, problem.layout),
                 _arrays.empty_bhsd(cupy, (b, hkv, sk, problem.head_dim_v), v.dtype, problem.layout),
             )
-        gpu_backward.backward(problem, arrays, grads, extras)
+            gpu_backward.backward(problem, arrays, grads, extras)
         return grads
 
 
