@@ -48,7 +48,7 @@ def test_ci_instantiates_every_forward_configuration(head_dim: int) -> None:
 def test_ci_instantiates_every_backward_configuration(head_dim: int) -> None:
     block = _instantiated("flash_backward.cu")
     block_m, key_warps = gpu_backward.backward_tiles(head_dim)
-    dq_keys = gpu_forward.block_keys(head_dim)
+    dq_keys = gpu_backward.dq_block_keys(head_dim)
     assert f"FASTATTN_CONFIG(ELEM, {head_dim}, {block_m}, {key_warps}, {dq_keys})" in block
     assert "FASTATTN_CONFIGS(__half)" in block and "FASTATTN_CONFIGS(__nv_bfloat16)" in block
 

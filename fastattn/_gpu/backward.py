@@ -50,6 +50,15 @@ def block_keys(head_dim: int) -> int:
     return 16 * backward_tiles(head_dim)[1]
 
 
+def dq_block_keys(head_dim: int) -> int:
+    """Keys per tile of the deterministic ``flash_backward_dq``: 64, or 16 for head_dim 256.
+
+    Each thread holds 16 rows x head_dim / 32 float32 of dQ; at head_dim 256 that is 128 registers,
+    and 32-key tiles spilled on sm_90.
+    """
+    return 16 if head_dim > 128 else 64
+
+
 def kv_shared_bytes(head_dim: int) -> int:
     """Dynamic shared memory of ``flash_backward_kv``: K, V; two Q and two dO stages; P^T, dS^T; lse, delta."""
     block_m, _ = backward_tiles(head_dim)
@@ -61,7 +70,7 @@ def kv_shared_bytes(head_dim: int) -> int:
 def dq_shared_bytes(head_dim: int) -> int:
     """Dynamic shared memory of ``flash_backward_dq``: Q and dO tiles, two K and two V stages."""
     row = (head_dim + 8) * 2
-    return 2 * DQ_BLOCK_M * row + 4 * forward.block_keys(head_dim) * row
+    return 2 * DQ_BLOCK_M * row + 4 * dq_block_keys(head_dim) * row
 
 
 def shared_bytes(head_dim: int, deterministic: bool) -> int:
@@ -75,7 +84,7 @@ def kernel_names(dtype: str, head_dim: int, deterministic: bool) -> tuple[str, s
     block_m, key_warps = backward_tiles(head_dim)
     atomic = "false" if deterministic else "true"
     last = (
-        f"fastattn_gpu::flash_backward_dq<{element}, {head_dim}, {forward.block_keys(head_dim)}>"
+        f"fastattn_gpu::flash_backward_dq<{element}, {head_dim}, {dq_block_keys(head_dim)}>"
         if deterministic
         else f"fastattn_gpu::flash_backward_dq_convert<{element}>"
     )

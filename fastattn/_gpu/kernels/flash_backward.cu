@@ -1,7 +1,9 @@
 // Flash attention backward for NVIDIA tensor cores (sm_80+), float16 / bfloat16 in, float32 math.
 //
-// STATUS: compiled by nvcc for sm_80 and sm_90 (CI's check instantiates every configuration); it
-// has NOT yet run on a GPU (issue #12 owes the runs: tests, compute-sanitizer, benchmark).
+// STATUS: compiled by nvcc for sm_80 and sm_90 (CI's check instantiates every configuration) and
+// by NVRTC 13 the way the launcher does; ptxas (CUDA 13.0) reports no spills: flash_backward_kv
+// 128-239 registers a thread, flash_backward_dq 134-236.  It has NOT yet run on a GPU (issue #12
+// owes the runs: tests, compute-sanitizer, benchmark).
 //
 // Algorithm (FlashAttention-2 backward, P recomputed from the forward's lse), three kernels:
 //   1. flash_backward_prepare, one thread per 16-byte chunk of a row:
@@ -15,7 +17,7 @@
 //      double-buffered with cp.async.  Per tile, in the transposed frame (mma rows are keys):
 //        S^T  = K Q^T,  dP^T = V dO^T                      mma.sync m16n8k16, f32 accumulate
 //        P^T  = exp2(S^T scale log2e - lse2)   with softcap and every mask exactly as the forward
-//        dS^T = P^T (dP^T - delta) (1 - tanh^2 [softcap]) scale
+//        dS^T = P^T (dP^T - delta) sech^2 [softcap] scale
 //      P^T and dS^T go to shared memory (key-major, in the input dtype), then
 //        dV += P^T dO,  dK += dS^T Q                       (float32 registers, whole GQA group)
 //        dQ += dS K     float32 atomicAdd into the accumulator (ATOMIC_DQ), read back from dS^T
@@ -39,8 +41,9 @@
 // rather than duplicating rows.  The key block is as wide as that allows (fewer dQ atomics and
 // fewer reloads of Q/dO per key); head_dim 256 halves BLOCK_M so that two Q and two dO stages plus
 // K and V stay within the 163 KiB an sm_80 block may have.  Shared memory per block exceeds the
-// 99 KiB of sm_86/sm_89 for head_dim >= 64: the launcher declines there with a reason.
-// flash_backward_dq uses the forward's tiles (64 rows, 64 keys; 32 keys for head_dim 256).
+// 99 KiB of sm_86/sm_89 for head_dim 64, 128 and 256: the cuda backend declines there, saying so.
+// flash_backward_dq: 64 rows (4 warps x 16) by 64 keys, 16 keys for head_dim 256 (its 16 x 256
+// float32 dQ accumulator takes 128 registers a thread; 32 keys spilled on sm_90).
 //
 // Rows that see no key (lse = -inf) and padding keys (>= key_lengths) get exactly zero gradients:
 // P is exactly 0 for them, hidden K/V rows are zero-filled (no 0 * NaN), and blocks no query
@@ -229,17 +232,12 @@ flash_backward_kv(const Elem* __restrict__ q, const Elem* __restrict__ k, const 
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int column = q0 + nb * 8 + pair + (e % 2);
-                float capped;
+                float slope;
                 const float score = rule.log2_score(s[nb][e], b, h, m0 + column,
-                                                    n0 + key_row + group_id + (e / 2) * 8, key_end, &capped);
+                                                    n0 + key_row + group_id + (e / 2) * 8, key_end, &slope);
                 const float prob = exp2f(score - lse_tile[column]);
-                float grad = prob * (dp[nb][e] - delta_tile[column]);
-                if (softcap > 0.f) {
-                    const float tanh_value = capped / softcap;
-                    grad *= 1.f - tanh_value * tanh_value;
-                }
                 s[nb][e] = prob;
-                dp[nb][e] = grad * scale;
+                dp[nb][e] = prob * (dp[nb][e] - delta_tile[column]) * slope * scale;
             }
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
@@ -416,25 +414,26 @@ flash_backward_dq(const Elem* __restrict__ q, const Elem* __restrict__ k, const 
 #pragma unroll
             for (int e = 0; e < 4; ++e) s[nb][e] = dp[nb][e] = 0.f;
         }
+        // One operand pair at a time (Q with K, then dO with V): fewer fragments live at once,
+        // which keeps head_dim 256 within the register file.
 #pragma unroll
         for (int step = 0; step < kSteps; step += 2) {
-            unsigned int a_q[2][4], a_o[2][4];
 #pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                const int at = (warp * 16 + (lane & 15)) * kRow + (step + half) * 16 + (lane >> 4) * 8;
-                ldmatrix_x4(a_q[half], q_tile + at);
-                ldmatrix_x4(a_o[half], do_tile + at);
-            }
+            for (int product = 0; product < 2; ++product) {
+                const Elem* a_tile = product == 0 ? q_tile : do_tile;
+                const Elem* b_tile = product == 0 ? k_tile : v_tile;
+                float(*c)[4] = product == 0 ? s : dp;
+                unsigned int a[2][4];
 #pragma unroll
-            for (int nb = 0; nb < kKeyBlocks; ++nb) {
-                const int at = (nb * 8 + (lane & 7)) * kRow + step * 16 + (lane >> 3) * 8;
-                unsigned int b_k[4], b_v[4];
-                ldmatrix_x4(b_k, k_tile + at);
-                Pack<Elem>::mma(s[nb], a_q[0], b_k);
-                Pack<Elem>::mma(s[nb], a_q[1], b_k + 2);
-                ldmatrix_x4(b_v, v_tile + at);
-                Pack<Elem>::mma(dp[nb], a_o[0], b_v);
-                Pack<Elem>::mma(dp[nb], a_o[1], b_v + 2);
+                for (int half = 0; half < 2; ++half)
+                    ldmatrix_x4(a[half], a_tile + (warp * 16 + (lane & 15)) * kRow + (step + half) * 16 + (lane >> 4) * 8);
+#pragma unroll
+                for (int nb = 0; nb < kKeyBlocks; ++nb) {
+                    unsigned int b_frag[4];  // k-steps `step` ([0..1]) and `step + 1` ([2..3])
+                    ldmatrix_x4(b_frag, b_tile + (nb * 8 + (lane & 7)) * kRow + step * 16 + (lane >> 3) * 8);
+                    Pack<Elem>::mma(c[nb], a[0], b_frag);
+                    Pack<Elem>::mma(c[nb], a[1], b_frag + 2);
+                }
             }
         }
 
@@ -445,15 +444,10 @@ flash_backward_dq(const Elem* __restrict__ q, const Elem* __restrict__ k, const 
             float grad[4];
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                float capped;
+                float slope;
                 const float score = rule.log2_score(s[nb][e], b, h, rows[e / 2], kt + nb * 8 + pair + (e % 2), hi,
-                                                    &capped);
-                grad[e] = exp2f(score - row_lse2[e / 2]) * (dp[nb][e] - row_delta[e / 2]);
-                if (softcap > 0.f) {
-                    const float tanh_value = capped / softcap;
-                    grad[e] *= 1.f - tanh_value * tanh_value;
-                }
-                grad[e] *= scale;
+                                                    &slope);
+                grad[e] = exp2f(score - row_lse2[e / 2]) * (dp[nb][e] - row_delta[e / 2]) * slope * scale;
             }
             a_ds[nb / 2][(nb % 2) * 2 + 0] = Pack<Elem>::two(grad[0], grad[1]);
             a_ds[nb / 2][(nb % 2) * 2 + 1] = Pack<Elem>::two(grad[2], grad[3]);
@@ -507,7 +501,7 @@ flash_backward_dq(const Elem* __restrict__ q, const Elem* __restrict__ k, const 
 #define FASTATTN_CONFIG(ELEM, D, M, KW, N) FASTATTN_PREPARE(ELEM, D) FASTATTN_KV(ELEM, D, M, KW, true) \
     FASTATTN_KV(ELEM, D, M, KW, false) FASTATTN_DQ(ELEM, D, N)
 #define FASTATTN_CONFIGS(ELEM) FASTATTN_CONFIG(ELEM, 32, 64, 8, 64) FASTATTN_CONFIG(ELEM, 64, 64, 8, 64) \
-    FASTATTN_CONFIG(ELEM, 96, 64, 4, 64) FASTATTN_CONFIG(ELEM, 128, 64, 4, 64) FASTATTN_CONFIG(ELEM, 256, 32, 2, 32) \
+    FASTATTN_CONFIG(ELEM, 96, 64, 4, 64) FASTATTN_CONFIG(ELEM, 128, 64, 4, 64) FASTATTN_CONFIG(ELEM, 256, 32, 2, 16) \
     template __global__ void fastattn_gpu::flash_backward_dq_convert<ELEM>( \
         const float*, ELEM*, long long, long long, long long, int, int, int, long long);
 FASTATTN_CONFIGS(__half)

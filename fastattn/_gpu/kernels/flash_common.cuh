@@ -118,14 +118,21 @@ struct ScoreRule {
     long long m_sb, m_sh, m_sq, m_sk;
 
     // Finish the raw dot product of query `row` (head h, batch b) with key `key`: keys at or past
-    // `key_end` are hidden.  Returns the score times log2(e), or -inf where the key is hidden;
-    // `capped` gets the scaled, softcapped score before the float mask (softcap's derivative uses it).
+    // `key_end` are hidden.  Returns the score times log2(e), or -inf where the key is hidden.
+    // `slope` gets d score / d (dot * scale): 1, or sech^2(dot * scale / softcap) under softcap,
+    // from exp(-2|x|) rather than as 1 - tanh^2, which cancels to nothing in float32 once tanh
+    // rounds to +-1.  (The forward ignores it and the compiler drops it there.)
     __device__ __forceinline__ float log2_score(float dot, int b, int h, int row, int key, int key_end,
-                                                float* capped) const {
+                                                float* slope) const {
         const int pos = row + offset;
         float score = dot * scale;
-        if (softcap > 0.f) score = softcap * tanhf(score / softcap);
-        *capped = score;
+        *slope = 1.f;
+        if (softcap > 0.f) {
+            const float x = score / softcap;
+            score = softcap * tanhf(x);
+            const float e = __expf(-2.f * fabsf(x));
+            *slope = 4.f * e / ((1.f + e) * (1.f + e));
+        }
         bool visible = row < seq_q && key < key_end;
         if (causal) visible = visible && key <= pos;
         if (window_left >= 0) visible = visible && key >= pos - window_left;

@@ -108,8 +108,8 @@ flash_forward(const Elem* __restrict__ q, const Elem* __restrict__ k, const Elem
         for (int nb = 0; nb < kKeyBlocks; ++nb) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                float capped;
-                s[nb][e] = rule.log2_score(s[nb][e], b, h, rows[e / 2], kt + nb * 8 + pair + (e % 2), hi, &capped);
+                float slope;
+                s[nb][e] = rule.log2_score(s[nb][e], b, h, rows[e / 2], kt + nb * 8 + pair + (e % 2), hi, &slope);
                 tile_max[e / 2] = fmaxf(tile_max[e / 2], s[nb][e]);
             }
         }
