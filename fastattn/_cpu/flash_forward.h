@@ -237,9 +237,10 @@ static inline void visible_keys(const FwdParams& p, int64_t b, int64_t q0, int64
 /* ---- scores: softcap, causal/window edges, mask arrays ----------------------------------------- */
 
 /* Finish a transposed score tile S[j][rows] (n keys from kt, rows of query block q0..q0+qn):
- * softcap (its derivative 1 - tanh^2 saved to cap_grad when given, for the backward), then -inf
- * wherever a key is hidden by causal/window (only on tiles that straddle an edge) or by the mask
- * array, and the float mask added. */
+ * softcap (its derivative 1 - tanh^2 saved to cap_grad when given, for the backward), the float
+ * mask added or -inf where the bool mask hides a key, then -inf wherever causal/window hides a key
+ * (only on tiles that straddle an edge).  Hiding comes last so that a hidden key is -inf even
+ * where the float mask holds a NaN. */
 template <typename T>
 static void finish_scores(const FwdParams& p, T* s, T* cap_grad, int64_t mp, int64_t rows, int64_t n, int64_t kt,
                           int64_t b, int64_t kvh, int64_t q0, int64_t qn, const T* position) {
@@ -253,6 +254,19 @@ static void finish_scores(const FwdParams& p, T* s, T* cap_grad, int64_t mp, int
             const V t = vtanh(vload<V>(s + e) * ic);
             vstore(s + e, c * t);
             if (cap_grad) vstore(cap_grad + e, T(1) - t * t);
+        }
+    }
+    if (p.mask_kind != MASK_NONE) {
+        const int64_t G = p.group;
+        for (int64_t r = 0; r < rows; ++r) {
+            const int64_t g = r / qn, i = q0 + r % qn, h = kvh * G + g;
+            const int64_t base = b * p.mask_stride[0] + h * p.mask_stride[1] + i * p.mask_stride[2];
+            for (int64_t j = 0; j < n; ++j) {
+                bool visible = true;
+                const T added = mask_value<T>(p, base + (kt + j) * p.mask_stride[3], &visible);
+                T& score = s[j * mp + r];
+                score = visible ? score + added : neg_inf;
+            }
         }
     }
     const int64_t first_pos = q0 + p.offset, last_pos = q0 + qn - 1 + p.offset;
@@ -271,19 +285,6 @@ static void finish_scores(const FwdParams& p, T* s, T* cap_grad, int64_t mp, int
                 if (left_edge) visible &= key >= pos - left;
                 if (right_edge) visible &= key <= pos + right;
                 vstore(s + j * mp + r, vselect(visible, vload<V>(s + j * mp + r), minus_infinity));
-            }
-        }
-    }
-    if (p.mask_kind != MASK_NONE) {
-        const int64_t G = p.group;
-        for (int64_t r = 0; r < rows; ++r) {
-            const int64_t g = r / qn, i = q0 + r % qn, h = kvh * G + g;
-            const int64_t base = b * p.mask_stride[0] + h * p.mask_stride[1] + i * p.mask_stride[2];
-            for (int64_t j = 0; j < n; ++j) {
-                bool visible = true;
-                const T added = mask_value<T>(p, base + (kt + j) * p.mask_stride[3], &visible);
-                T& score = s[j * mp + r];
-                score = visible ? score + added : neg_inf;
             }
         }
     }
