@@ -20,8 +20,9 @@
 //    cp.async copies (zero-filled past the range, so 0-probability keys never multiply garbage);
 //    rows padded by 16 bytes so that the 8 row addresses of a quarter-warp's 16-byte reads fall in
 //    distinct banks.  BLOCK_N = 64 keys, or 32 when a row is over 256 bytes (float32 head_dim 128,
-//    head_dim 256): one tile stays <= 16 KiB, four (K, V x 2 stages) <= 66 KiB, leaving room for
-//    three blocks per SM on an H100 to keep enough bytes in flight.
+//    head_dim 256): a 16-bit tile is <= 17 KiB and the four (K, V x 2 stages) <= 69 KiB, leaving
+//    room for three blocks per SM on an H100 to keep enough bytes in flight (float32 head_dim 256:
+//    133 KiB, one block).
 //  * Arithmetic (SIMT float32; decode is bandwidth-bound: G7 does 4 rows x 2 flops per 2 bytes):
 //    scores: thread t takes key t % BLOCK_N and ROWS / (128 / BLOCK_N) rows, 16-byte K reads,
 //    Q broadcast from shared memory as float.  Softmax: warp w owns rows w, w + 4 (running max and
