@@ -6,13 +6,18 @@ the float32/float64 refusals of the cuda backend, and the header inlining that N
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
+import re
+import sys
+import types
 
+import numpy as np
 import pytest
 
 from fastattn._gpu import _launch, decode, fp32
-from fastattn._problem import AttentionProblem
+from fastattn._problem import AttentionExtras, AttentionProblem
 from fastattn.backends.cuda import CudaBackend
 
 #: The smallest opt-in shared memory per block of the targets (A100, sm_80: 163 KiB).
@@ -98,3 +103,121 @@ def test_sources_reach_nvrtc_with_their_headers_inlined() -> None:
         text = _launch.source_text(source)
         assert '#include "' not in text
         assert "struct Visibility" in text
+
+
+# Launch arguments against the kernels' parameter lists, with a stand-in for CuPy that records launches.
+
+_KERNEL = re.compile(r"__global__ void __launch_bounds__\(\w+\)\s+(\w+)\((.*?)\)\s*\{", re.DOTALL)
+
+
+def _signatures() -> dict[str, list[str]]:
+    """Kernel name -> parameter kinds ("pointer", "long long", "int", "float"), from the sources."""
+    signatures = {}
+    for source in (decode.SOURCE, fp32.SOURCE):
+        text = _launch.source_text(source)
+        rules = re.search(r"#define FASTATTN_RULE_PARAMS\s*\\\n(.*?)\n\n", text + "\n\n", re.DOTALL)
+        for name, parameters in _KERNEL.findall(text):
+            if rules and "FASTATTN_RULE_PARAMS" in parameters:
+                parameters = parameters.replace("FASTATTN_RULE_PARAMS", rules.group(1).split("#define")[0])
+            kinds = []
+            for parameter in parameters.replace("\\", " ").split(","):
+                declaration = " ".join(parameter.split())
+                if "*" in declaration:
+                    kinds.append("pointer")
+                elif declaration.startswith("long long"):
+                    kinds.append("long long")
+                else:
+                    kinds.append(declaration.split()[0])
+            signatures[name] = kinds
+    return signatures
+
+
+def _matches(kind: str, value: object) -> bool:
+    if kind == "pointer":
+        return isinstance(value, (np.ndarray, np.uint64))
+    return isinstance(value, {"long long": np.int64, "int": np.int32, "float": np.float32}[kind])
+
+
+@pytest.fixture
+def launches(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, tuple, tuple, int]]:
+    """Replace CuPy by a recorder; each launch is checked against its kernel's parameter list."""
+    signatures = _signatures()
+    recorded: list[tuple[str, tuple, tuple, int]] = []
+
+    class Function:
+        def __init__(self, name: str) -> None:
+            self.name = name
+            self.max_dynamic_shared_size_bytes = 0
+
+        def __call__(self, grid: tuple, block: tuple, arguments: tuple, shared_mem: int = 0) -> None:
+            kernel = self.name.split("::")[1].split("<")[0]
+            kinds = signatures[kernel]
+            assert len(arguments) == len(kinds), f"{kernel}: {len(arguments)} arguments for {len(kinds)} parameters"
+            for index, (kind, value) in enumerate(zip(kinds, arguments)):
+                assert _matches(kind, value), f"{kernel} parameter {index}: {kind} given {type(value).__name__}"
+            assert shared_mem <= max(self.max_dynamic_shared_size_bytes, 48 * 1024)
+            x, y, z = (*grid, 1, 1)[:3]
+            assert 0 < x < 2**31 and 0 < y < 65536 and 0 < z < 65536
+            recorded.append((self.name, grid, block, shared_mem))
+
+    class Module:
+        def __init__(self, code: str, options: tuple, name_expressions: tuple) -> None:
+            assert '#include "' not in code
+
+        def get_function(self, name: str) -> Function:
+            return Function(name)
+
+    device = types.SimpleNamespace(id=0, attributes={"MultiProcessorCount": 132})
+    fake = types.SimpleNamespace(
+        RawModule=Module, empty=np.empty, float32=np.float32, ascontiguousarray=np.ascontiguousarray,
+        cuda=types.SimpleNamespace(get_current_stream=contextlib.nullcontext, Device=lambda *index: device),
+    )  # fmt: skip
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    _launch.compiled.cache_clear()
+    _launch._multiprocessors.cache_clear()
+    yield recorded
+    _launch.compiled.cache_clear()
+    _launch._multiprocessors.cache_clear()
+
+
+def _arrays_for(case: AttentionProblem, dtype: type = np.float32) -> dict[str, np.ndarray]:
+    shapes = {
+        "q": (case.batch, case.heads_q, case.seq_q, case.head_dim),
+        "k": (case.batch, case.heads_kv, case.seq_k, case.head_dim),
+        "v": (case.batch, case.heads_kv, case.seq_k, case.head_dim_v),
+        "out": (case.batch, case.heads_q, case.seq_q, case.head_dim_v),
+    }
+    arrays = {name: np.zeros(shape, dtype) for name, shape in shapes.items()}
+    arrays["lse"] = np.zeros(shapes["q"][:3], np.float32)
+    return arrays
+
+
+@pytest.mark.parametrize("seq_k", [63, 4096])
+@pytest.mark.parametrize("mask", [False, True])
+def test_decode_launch_arguments_match_the_kernel(launches, seq_k, mask) -> None:
+    case = problem(dtype="float32", seq_k=seq_k, batch=2, has_key_lengths=True)
+    a = _arrays_for(case)
+    extras = AttentionExtras(
+        mask=np.ones((1, 1, 1, seq_k), bool) if mask else None, key_lengths=np.full(2, seq_k, np.int64)
+    )
+    decode.forward(case, a["q"], a["k"], a["v"], a["out"], a["lse"], extras)
+    names = [launch[0] for launch in launches]
+    splits = decode.plan(case, 132)[0]
+    assert names[0] == "fastattn_gpu::flash_decode<float, 128, 4>"
+    assert launches[0][1] == (splits, case.heads_kv, case.batch)
+    assert names[1:] == (["fastattn_gpu::decode_combine<float>"] if splits > 1 else [])
+
+
+def test_fp32_launch_arguments_match_the_kernels(launches) -> None:
+    case = problem(dtype="float32", seq_q=100, seq_k=130, head_dim=80, head_dim_v=24, causal=None, window=(5, 7))
+    a = _arrays_for(case)
+    extras = AttentionExtras()
+    fp32.forward(case, a["q"], a["k"], a["v"], a["out"], a["lse"], extras)
+    fp32.backward(case, a["out"], a["q"], a["k"], a["v"], a["out"], a["lse"], extras)
+    assert [launch[0] for launch in launches] == [
+        "fastattn_gpu::fp32_forward<128>",
+        "fastattn_gpu::fp32_delta",
+        "fastattn_gpu::fp32_backward_kv<128>",
+        "fastattn_gpu::fp32_backward_q<128>",
+    ]
+    assert launches[0][1] == (2, 32, 32) and launches[2][1] == (3, 8, 32) and launches[3][1] == (2, 32, 32)
