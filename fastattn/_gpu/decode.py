@@ -54,6 +54,11 @@ def eligible(problem: AttentionProblem) -> bool:
     return problem.mask != "float" or problem.mask_dtype in _launch.MASK_KINDS
 
 
+def aligned(*arrays: Any) -> bool:
+    """Whether every array starts on a 16-byte boundary (the kernel's cp.async copies need it)."""
+    return all(array.data.ptr % 16 == 0 for array in arrays)
+
+
 def rows_per_block(problem: AttentionProblem) -> int:
     """Packed query rows per block: 4 when the group's rows fit, else 8 (bigger packs are chunked)."""
     return 4 if problem.group_size * problem.seq_q <= 4 else 8

@@ -80,7 +80,7 @@ class CudaBackend:
             cupy, (problem.batch, problem.heads_q, problem.seq_q, problem.head_dim_v), q.dtype, problem.layout
         )
         lse = cupy.empty((problem.batch, problem.heads_q, problem.seq_q), dtype=cupy.float32)
-        if gpu_decode.eligible(problem):
+        if gpu_decode.eligible(problem) and gpu_decode.aligned(k, v):
             gpu_decode.forward(problem, q, k, v, out, lse, extras)
         elif problem.dtype == "float32":
             gpu_fp32.forward(problem, q, k, v, out, lse, extras)
