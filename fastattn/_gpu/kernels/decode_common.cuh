@@ -70,6 +70,16 @@ struct Visibility {
     }
 };
 
+// exp results below the smallest normal float count as exactly 0 (the reference's rule, so that
+// which keys have zero weight does not depend on denormal support); NaN stays NaN.
+__device__ __forceinline__ float flush_tiny(float p) { return p < 1.17549435e-38f ? 0.f : p; }
+
+// weight * value + acc, where a weight of exactly 0 contributes 0 even against an infinite or NaN
+// value (DESIGN.md / README "NaN and infinity": a key a row cannot see never reaches it).
+__device__ __forceinline__ float weighted_add(float weight, float value, float acc) {
+    return fmaf(weight, weight != 0.f ? value : 0.f, acc);
+}
+
 // softcap * tanh(score / softcap) when softcap > 0.
 __device__ __forceinline__ float soft_cap(float score, float softcap) {
     return softcap > 0.f ? softcap * tanhf(score / softcap) : score;

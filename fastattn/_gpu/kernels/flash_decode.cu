@@ -29,7 +29,8 @@
 //    sum in registers, exp2 with scale * log2(e) folded in, rescale factors through shared memory).
 //    P V: thread t owns one 16-byte column group of V and every BLOCK_N / KG-th key (KG = 128 / column
 //    groups), all ROWS rows in registers; the KG partial sums are added in a fixed order at the end
-//    (deterministic).
+//    (deterministic).  Non-finite inputs follow the reference: a probability of exactly 0 (hidden
+//    key, or exp below the smallest normal float) contributes 0 even against an inf/NaN value.
 //
 // Contract features, all in-kernel: GQA, causal (both alignments through `offset`), sliding window,
 // key_lengths (splits past the length are skipped), bool or float masks read by strides, softcap,
@@ -225,11 +226,11 @@ flash_decode(const Elem* __restrict__ q, const Elem* __restrict__ k, const Elem*
             for (int step = 16; step > 0; step /= 2) tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffff, tile_max, step));
             const float new_max = fmaxf(row_max[r], tile_max);
             const float shift = new_max == negative_infinity() ? 0.f : new_max;
-            const float alpha = exp2f(row_max[r] - shift);
+            const float alpha = flush_tiny(exp2f(row_max[r] - shift));
             float tile_sum = 0.f;
 #pragma unroll
             for (int j = lane; j < kBlockN; j += 32) {
-                const float prob = exp2f(scores[j] - shift);
+                const float prob = flush_tiny(exp2f(scores[j] - shift));
                 scores[j] = prob;
                 tile_sum += prob;
             }
@@ -246,7 +247,7 @@ flash_decode(const Elem* __restrict__ q, const Elem* __restrict__ k, const Elem*
         for (int r = 0; r < ROWS; ++r) {
             const float alpha = alpha_s[r];
 #pragma unroll
-            for (int e = 0; e < kVec; ++e) acc[r][e] *= alpha;
+            for (int e = 0; e < kVec; ++e) acc[r][e] = weighted_add(alpha, acc[r][e], 0.f);
         }
 #pragma unroll 2
         for (int j = key_group; j < kBlockN; j += Shape::kKeyGroups) {
@@ -256,7 +257,7 @@ flash_decode(const Elem* __restrict__ q, const Elem* __restrict__ k, const Elem*
             for (int r = 0; r < ROWS; ++r) {
                 const float prob = p_s[r * kBlockN + j];
 #pragma unroll
-                for (int e = 0; e < kVec; ++e) acc[r][e] += prob * vv[e];
+                for (int e = 0; e < kVec; ++e) acc[r][e] = weighted_add(prob, vv[e], acc[r][e]);
             }
         }
         __syncthreads();  // this stage is overwritten by the prefetch of the tile after next
@@ -320,12 +321,13 @@ decode_combine(const float* __restrict__ partial_out, const float* __restrict__ 
         return;
     }
     float total = 0.f;
-    for (int s = 0; s < splits; ++s) total += expf(partial_lse[s * rows + row] - top);
+    for (int s = 0; s < splits; ++s) total += flush_tiny(expf(partial_lse[s * rows + row] - top));
     for (int d = threadIdx.x; d < head_dim; d += kDecodeThreads) {
         float value = 0.f;
         for (int s = 0; s < splits; ++s) {
             const float part_lse = partial_lse[s * rows + row];
-            if (part_lse != negative_infinity()) value += expf(part_lse - top) * partial_out[(s * rows + row) * head_dim + d];
+            if (part_lse != negative_infinity())
+                value = weighted_add(flush_tiny(expf(part_lse - top)), partial_out[(s * rows + row) * head_dim + d], value);
         }
         dst[d] = Convert<Elem>::from_float(value / total);
     }

@@ -23,6 +23,8 @@
 // block per (BN keys, kv head, batch row) looping over the GQA group's query heads and 32-row query
 // blocks, recomputing P = exp(S - lse), dV += P^T dO, dS = P (dO V^T - delta) (softcap derivative,
 // scale), dK += dS^T Q; dK/dV stay in registers and are summed over the group in a fixed order.
+// Non-finite inputs follow the reference: a weight (probability or dS) of exactly 0, including exp
+// results below the smallest normal float, contributes 0 even against an inf/NaN operand.
 // (3) `fp32_backward_q`: one block per (query rows, query head, batch row) looping over 32-key
 // tiles, recomputing P and dS, dQ += dS K.  dQ by a second pass instead of float32 atomics:
 // deterministic at the cost of recomputing S and dP (the choice the CPU backend made too).
@@ -33,8 +35,9 @@ namespace fastattn_gpu {
 constexpr int kFp32Threads = 256;
 
 // acc[TM][TN] += sum_{k < count} A(ty + 16 i, k) * B(k, tx + 16 j), with A(i, k) = a[i * a_row + k * a_k]
-// and B(k, j) = b[k * b_k + j * b_col] in shared memory.
-template <int TM, int TN>
+// and B(k, j) = b[k * b_k + j * b_col] in shared memory.  WEIGHTS: A holds probabilities or dS,
+// and a product with a weight of exactly 0 counts 0 whatever B holds (inf/NaN semantics).
+template <bool WEIGHTS, int TM, int TN>
 __device__ __forceinline__ void tile_mac(float (&acc)[TM][TN], const float* a, int a_row, int a_k, const float* b,
                                          int b_k, int b_col, int count) {
     const int ty = threadIdx.x / 16, tx = threadIdx.x % 16;
@@ -50,7 +53,9 @@ __device__ __forceinline__ void tile_mac(float (&acc)[TM][TN], const float* a, i
 #pragma unroll
         for (int i = 0; i < TM; ++i)
 #pragma unroll
-            for (int j = 0; j < TN; ++j) acc[i][j] = fmaf(a_values[i], b_values[j], acc[i][j]);
+            for (int j = 0; j < TN; ++j)
+                acc[i][j] = WEIGHTS ? weighted_add(a_values[i], b_values[j], acc[i][j])
+                                    : fmaf(a_values[i], b_values[j], acc[i][j]);
     }
 }
 
@@ -136,7 +141,7 @@ fp32_forward(const float* __restrict__ q, const float* __restrict__ k, const flo
         __syncthreads();
         float s[TM][TN];
         tile_zero(s);
-        tile_mac(s, q_s, S, 1, k_s, 1, S, head_dim);
+        tile_mac<false>(s, q_s, S, 1, k_s, 1, S, head_dim);
 #pragma unroll
         for (int i = 0; i < TM; ++i) {
             const int row = m0 + ty + 16 * i;
@@ -150,21 +155,21 @@ fp32_forward(const float* __restrict__ q, const float* __restrict__ k, const flo
             }
             const float new_max = fmaxf(row_max[i], row_max16(tile_max));
             const float shift = new_max == negative_infinity() ? 0.f : new_max;
-            const float alpha = expf(row_max[i] - shift);
+            const float alpha = flush_tiny(expf(row_max[i] - shift));
             float tile_sum = 0.f;
 #pragma unroll
             for (int j = 0; j < TN; ++j) {
-                const float prob = expf(s[i][j] - shift);
+                const float prob = flush_tiny(expf(s[i][j] - shift));
                 p_s[(ty + 16 * i) * (BN + 1) + tx + 16 * j] = prob;
                 tile_sum += prob;
             }
             row_max[i] = new_max;
             row_sum[i] = row_sum[i] * alpha + row_sum16(tile_sum);
 #pragma unroll
-            for (int d = 0; d < TD; ++d) acc[i][d] *= alpha;
+            for (int d = 0; d < TD; ++d) acc[i][d] = weighted_add(alpha, acc[i][d], 0.f);
         }
         __syncthreads();
-        tile_mac(acc, p_s, BN + 1, 1, v_s, S, 1, BN);
+        tile_mac<true>(acc, p_s, BN + 1, 1, v_s, S, 1, BN);
     }
 
 #pragma unroll
@@ -210,7 +215,8 @@ __device__ __forceinline__ Gradient score_gradient(const Visibility& rules, floa
     const float capped = soft_cap(raw * scale, softcap);
     const float score = rules.apply(capped, b, h, row, key);
     if (score == negative_infinity()) return {0.f, 0.f};
-    const float p = expf(score - row_lse);
+    const float p = flush_tiny(expf(score - row_lse));
+    if (p == 0.f) return {0.f, 0.f};
     const float ratio = softcap > 0.f ? capped / softcap : 0.f;
     return {p, p * (dp - row_delta) * (1.f - ratio * ratio) * scale};
 }
@@ -266,8 +272,8 @@ fp32_backward_kv(const float* __restrict__ q, const float* __restrict__ k, const
             float s[TN][TM], dp[TN][TM];
             tile_zero(s);
             tile_zero(dp);
-            tile_mac(s, k_s, S, 1, q_s, 1, S, head_dim);      // S^T[n][m] = K[n] . Q[m]
-            tile_mac(dp, v_s, S, 1, do_s, 1, S, head_dim_v);  // dP^T[n][m] = V[n] . dO[m]
+            tile_mac<false>(s, k_s, S, 1, q_s, 1, S, head_dim);      // S^T[n][m] = K[n] . Q[m]
+            tile_mac<false>(dp, v_s, S, 1, do_s, 1, S, head_dim_v);  // dP^T[n][m] = V[n] . dO[m]
 #pragma unroll
             for (int i = 0; i < TN; ++i) {
                 const int key = n0 + ty + 16 * i;
@@ -281,8 +287,8 @@ fp32_backward_kv(const float* __restrict__ q, const float* __restrict__ k, const
                 }
             }
             __syncthreads();
-            tile_mac(dv_acc, p_s, SP, 1, do_s, S, 1, BM);   // dV[n] += sum_m P^T[n][m] dO[m]
-            tile_mac(dk_acc, ds_s, SP, 1, q_s, S, 1, BM);   // dK[n] += sum_m dS^T[n][m] Q[m]
+            tile_mac<true>(dv_acc, p_s, SP, 1, do_s, S, 1, BM);   // dV[n] += sum_m P^T[n][m] dO[m]
+            tile_mac<true>(dk_acc, ds_s, SP, 1, q_s, S, 1, BM);   // dK[n] += sum_m dS^T[n][m] Q[m]
         }
     }
 
@@ -346,8 +352,8 @@ fp32_backward_q(const float* __restrict__ q, const float* __restrict__ k, const 
         float s[TM][TN], dp[TM][TN];
         tile_zero(s);
         tile_zero(dp);
-        tile_mac(s, q_s, S, 1, k_s, 1, S, head_dim);      // S[m][n] = Q[m] . K[n]
-        tile_mac(dp, do_s, S, 1, v_s, 1, S, head_dim_v);  // dP[m][n] = dO[m] . V[n]
+        tile_mac<false>(s, q_s, S, 1, k_s, 1, S, head_dim);      // S[m][n] = Q[m] . K[n]
+        tile_mac<false>(dp, do_s, S, 1, v_s, 1, S, head_dim_v);  // dP[m][n] = dO[m] . V[n]
 #pragma unroll
         for (int i = 0; i < TM; ++i) {
             const int local = ty + 16 * i, row = m0 + local;
@@ -360,7 +366,7 @@ fp32_backward_q(const float* __restrict__ q, const float* __restrict__ k, const 
             }
         }
         __syncthreads();
-        tile_mac(dq_acc, ds_s, SD, 1, k_s, S, 1, BN);  // dQ[m] += sum_n dS[m][n] K[n]
+        tile_mac<true>(dq_acc, ds_s, SD, 1, k_s, S, 1, BN);  // dQ[m] += sum_n dS[m][n] K[n]
     }
 
 #pragma unroll
