@@ -48,8 +48,19 @@ def test_error_no_worse_than_twice_torch_sdpa(head_dim: int, dtype: str, causal)
 
 
 def test_declines_what_it_does_not_run_with_reasons() -> None:
-    q = cupy.zeros((1, 2, 8, 80), dtype=cupy.float32)
-    reasons = fastattn.explain(q, q, q).reasons["cuda"]
-    assert any("float16 or bfloat16" in reason for reason in reasons)
-    assert any("head_dim" in reason for reason in reasons)
-    assert fastattn.explain(q, q, q).chosen == "reference"
+    q = cupy.zeros((1, 2, 8, 80), dtype=cupy.float16)
+    explanation = fastattn.explain(q, q, q)
+    assert any("head_dim" in reason for reason in explanation.reasons["cuda"])
+    assert explanation.chosen == "reference"
+
+
+def test_float64_runs_on_the_reference_through_cupy() -> None:
+    rng = np.random.default_rng(3)
+    q, k, v = (cupy.asarray(rng.standard_normal((1, 2, 8, 80))) for _ in range(3))
+    explanation = fastattn.explain(q, k, v)
+    assert explanation.reasons["cuda"] == ["float64 runs on the reference backend through CuPy"]
+    assert explanation.chosen == "reference"
+    out = fastattn.attention(q, k, v)
+    assert isinstance(out, cupy.ndarray) and out.dtype == cupy.float64
+    expected = fastattn.attention(q.get(), k.get(), v.get(), backend="reference")
+    assert _error(out.get(), expected) <= 1e-12

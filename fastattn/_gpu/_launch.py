@@ -1,0 +1,99 @@
+"""What every GPU launcher needs: sources with their headers, compiled kernels, strides, streams.
+
+Sources may ``#include "name.cuh"`` headers from ``kernels/``: :func:`source_text` inlines them,
+so NVRTC needs no include path and CuPy's on-disk kernel cache keys on the whole text (an edited
+header recompiles).  nvcc (CI's compile check) finds the same headers next to the sources.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .._problem import AttentionExtras, AttentionProblem
+
+KERNELS = Path(__file__).with_name("kernels")
+#: Float mask dtypes the kernels read (the MaskKind values of the sources); bool is 1.
+MASK_KINDS = {"bool": 1, "float32": 2, "float16": 3, "bfloat16": 4}
+_INCLUDE = re.compile(r'^#include "([A-Za-z0-9_]+\.cuh)"$', re.MULTILINE)
+
+
+def source_text(name: str) -> str:
+    """The text of ``kernels/<name>`` with each local ``#include "x.cuh"`` replaced by the header."""
+    text = (KERNELS / name).read_text()
+    return _INCLUDE.sub(lambda match: (KERNELS / match.group(1)).read_text(), text)
+
+
+@functools.cache
+def compiled(source: str, name: str, shared_bytes: int) -> Any:
+    """The kernel ``name`` (a template instance) of ``kernels/<source>``, compiled once per process.
+
+    Parameters
+    ----------
+    source : str
+        File name under ``kernels/``.
+    name : str
+        Fully qualified name expression, e.g. ``"fastattn_gpu::fp32_forward<128>"``.
+    shared_bytes : int
+        Dynamic shared memory the launches will ask for (raises the 48 KiB default limit).
+    """
+    cupy = importlib.import_module("cupy")
+    module = cupy.RawModule(code=source_text(source), options=("--std=c++17",), name_expressions=(name,))
+    function = module.get_function(name)
+    if shared_bytes > 0:
+        function.max_dynamic_shared_size_bytes = shared_bytes
+    return function
+
+
+def strides3(array: Any) -> list[np.int64]:
+    """Element strides of the first three axes of a ``(B, H, S, D)`` array, as kernel arguments."""
+    return [np.int64(stride // array.itemsize) for stride in array.strides[:3]]
+
+
+def strides2(array: Any) -> list[np.int64]:
+    """Element strides of the first two axes of a ``(B, H, S)`` lse array (its last axis contiguous)."""
+    return [np.int64(stride // array.itemsize) for stride in array.strides[:2]]
+
+
+def stream(framework: str) -> Any:
+    """The caller's current stream: torch's for torch tensors, else CuPy's."""
+    cupy = importlib.import_module("cupy")
+    if framework == "torch":
+        import torch
+
+        return cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
+    return cupy.cuda.get_current_stream()
+
+
+def rule_arguments(problem: AttentionProblem, extras: AttentionExtras) -> list[Any]:
+    """causal, offset, window, mask (pointer, kind, four strides) and key_lengths, in kernel order."""
+    left, right = problem.window if problem.window is not None else (-1, -1)
+    null = np.uint64(0)
+    mask = extras.mask
+    if mask is None:
+        mask_arguments = [null, np.int32(0)] + [np.int64(0)] * 4
+    else:
+        mask_strides = [0 if size == 1 else stride // mask.itemsize for size, stride in zip(mask.shape, mask.strides)]
+        mask_arguments = [mask, np.int32(MASK_KINDS[mask.dtype.name])] + [np.int64(s) for s in mask_strides]
+    return [
+        np.int32(problem.causal is not None), np.int32(problem.key_offset), np.int32(left), np.int32(right),
+        *mask_arguments,
+        null if extras.key_lengths is None else extras.key_lengths,
+    ]  # fmt: skip
+
+
+def multiprocessors() -> int:
+    """Streaming multiprocessors of the current device."""
+    cupy = importlib.import_module("cupy")
+    return _multiprocessors(int(cupy.cuda.Device().id))
+
+
+@functools.cache
+def _multiprocessors(device: int) -> int:
+    cupy = importlib.import_module("cupy")
+    return int(cupy.cuda.Device(device).attributes["MultiProcessorCount"])
