@@ -249,11 +249,16 @@ static void finish_scores(const FwdParams& p, T* s, T* cap_grad, int64_t mp, int
     constexpr int L = Vec<T>::lanes;
     const T neg_inf = -std::numeric_limits<T>::infinity();
     if (p.softcap > 0) {
+        /* tanh and its derivative sech^2 from one u = exp(-2|x|): tanh = sign(x) (1 - u) / (1 + u),
+         * sech^2 = 4u / (1 + u)^2, accurate where tanh saturates (1 - tanh^2 would cancel to 0). */
         const V c = vbroadcast((T)p.softcap), ic = vbroadcast((T)(1.0 / p.softcap));
         for (int64_t e = 0; e < n * mp; e += L) {
-            const V t = vtanh(vload<V>(s + e) * ic);
-            vstore(s + e, c * t);
-            if (cap_grad) vstore(cap_grad + e, T(1) - t * t);
+            const V x = vload<V>(s + e) * ic;
+            const V magnitude = vselect(x < V{}, -x, x);
+            const V u = vexp(magnitude * T(-2));
+            const V t = (T(1) - u) / (T(1) + u);
+            vstore(s + e, c * vselect(x < V{}, -t, t));
+            if (cap_grad) vstore(cap_grad + e, T(4) * u / ((T(1) + u) * (T(1) + u)));
         }
     }
     if (p.mask_kind != MASK_NONE) {

@@ -155,16 +155,6 @@ static inline Vec<double>::type vexp(Vec<double>::type x) {
     return x;
 }
 
-/* tanh through exp: 1 - 2 / (exp(2x) + 1), saturating correctly at both ends. */
-static inline Vec<float>::type vtanh(Vec<float>::type x) {
-    return 1.0f - 2.0f / (vexp(x + x) + 1.0f);
-}
-
-static inline Vec<double>::type vtanh(Vec<double>::type x) {
-    for (int i = 0; i < Vec<double>::lanes; ++i) x[i] = std::tanh(x[i]);
-    return x;
-}
-
 /* Storage types of half-precision inputs (raw 16-bit patterns). */
 struct half_bits { uint16_t bits; };
 struct bfloat16_bits { uint16_t bits; };

@@ -75,7 +75,7 @@ class ReferenceBackend:
         delta = (grouped_dout * grouped_out).sum(axis=-1, keepdims=True)
         ds = p * (dp - delta)
         if problem.softcap is not None:
-            ds *= 1 - (scores.capped / problem.softcap) ** 2
+            ds *= scores.cap_derivative
         ds = xp.where(p != 0, ds, 0) * problem.scale
         dq = _skip_zero_weights_matmul(xp, ds, k.astype(compute)[:, :, None])
         dk = _skip_zero_weights_matmul(xp, ds.swapaxes(-1, -2), scores.grouped_q).sum(axis=2)
@@ -93,8 +93,9 @@ class _Scores:
     ----------
     grouped_q : array
         q in the compute dtype, ``(B, Hkv, G, Sq, D)``.
-    capped : array
-        ``scale * q @ k.T`` after softcap, before any mask (the softcap derivative needs it).
+    cap_derivative : array or None
+        With softcap, d(capped)/d(raw) = sech^2(raw / softcap), computed as 4u / (1 + u)^2 with
+        u = exp(-2|raw / softcap|): accurate where tanh saturates (1 - tanh^2 would cancel to 0).
     masked : array
         ``capped`` plus the float mask, -inf wherever a key is not visible.
     """
@@ -106,9 +107,11 @@ class _Scores:
         self.xp = xp
         self.grouped_q = _group(q.astype(compute), problem)
         scores = (self.grouped_q @ k.astype(compute)[:, :, None].swapaxes(-1, -2)) * problem.scale
+        self.cap_derivative = None
         if problem.softcap is not None:
+            u = xp.exp(-2 * xp.abs(scores / problem.softcap))
+            self.cap_derivative = 4 * u / (1 + u) ** 2
             scores = problem.softcap * xp.tanh(scores / problem.softcap)
-        self.capped = scores
         visible = _visibility(problem, xp, extras.key_lengths)
         if problem.mask == "float":
             scores = scores + _group_mask(extras.mask, problem).astype(compute)
