@@ -72,10 +72,24 @@ def _native_flags() -> list[str]:
     return ["-march=native"]
 
 
+def _sanitizer_flags() -> list[str]:
+    """AddressSanitizer + UndefinedBehaviorSanitizer when FASTATTN_SANITIZE=1 (a test build).
+
+    Python itself is not instrumented, so the ASan runtime must be loaded first:
+    ``LD_PRELOAD=$(gcc -print-file-name=libasan.so) ASAN_OPTIONS=detect_leaks=0 pytest tests/conformance``
+    (leak detection off: the interpreter keeps its own allocations until exit).  Any UB report aborts.
+    """
+    if os.environ.get("FASTATTN_SANITIZE", "0") != "1" or sys.platform == "win32":
+        return []
+    print("fastattn: sanitizer build (FASTATTN_SANITIZE=1): -fsanitize=address,undefined")
+    return ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined", "-fno-omit-frame-pointer", "-g"]
+
+
 _omp = _openmp_flags()
+_sanitize = _sanitizer_flags()
 _compile_args = ["-O3"] if sys.platform != "win32" else ["/O2"]
-_kernel_args = _compile_args + _native_flags() + ["-std=gnu++17"]
-_link_args = _omp if sys.platform != "win32" else []
+_kernel_args = _compile_args + _native_flags() + ["-std=gnu++17"] + _sanitize
+_link_args = (_omp + _sanitize) if sys.platform != "win32" else []
 
 extensions = [
     # Built like the kernels (C++, same flags, same headers) so that the compiler, OpenMP and SIMD

@@ -1,19 +1,19 @@
 """GPU benchmark: fastattn's cuda backend against torch SDPA (default and flash backends), G1-G7.
 
-Cases G1-G7 of DESIGN.md §5 in bfloat16 and float16.  Everything runs on torch CUDA tensors in one
-process: fastattn through DLPack (zero-copy), torch's default SDPA backend (cuDNN on Hopper) and
-its FlashAttention-2 backend (``torch.nn.attention.sdpa_kernel``).  Timing: CUDA events around
-each call, one warm-up, the median of ``--repeats`` calls, the inputs rotated among ``--rotate``
-copies so that no call finds its operands in L2 from the previous one.  TFLOP/s use DESIGN.md's
-FLOP count; decode (G7) reports the K/V bytes streamed per second instead.
-
-With ``--backward``, G1-G6 are also timed forward+backward in the same run: one forward and
-``torch.autograd.grad`` of q, k and v (fastattn through ``fastattn.torch.attention``), FLOPs 3.5x
-the forward's, in a second table.
+Cases G1-G7 of DESIGN.md §5 in bfloat16, float16 and float32.  Everything runs on torch CUDA
+tensors in one process: fastattn through DLPack (zero-copy), torch's default SDPA backend (cuDNN on
+Hopper; its "efficient" backend for float32) and its FlashAttention-2 backend
+(``torch.nn.attention.sdpa_kernel``, which declines float32).  Timing: CUDA events around each
+call, one warm-up, the median of ``--repeats`` calls, the inputs rotated among ``--rotate`` copies
+so that no call finds its operands in L2 from the previous one.  TFLOP/s use DESIGN.md's FLOP
+count (forward+backward: 3.5x the forward).  G1-G6 also time forward+backward in every dtype
+(autograd: ``fastattn.torch.attention`` against torch SDPA's default and flash backends; the
+half-precision backward is issue #12's).  Decode (G7) reports the K/V bytes read per
+second and their fraction of the device copy bandwidth measured in the same run (a CuPy
+device-to-device copy of a 1 GiB buffer, CUDA events; bytes read + written per second).
 
     python benchmarks/bench_gpu.py                      # -> benchmarks/results/h100-<date>.json
     python benchmarks/bench_gpu.py --cases G1 G5 --dtypes bfloat16
-    python benchmarks/bench_gpu.py --backward           # forward, then forward+backward tables
 """
 
 from __future__ import annotations
@@ -41,10 +41,6 @@ CASES: dict[str, tuple[int, int, int, int, int, int, bool]] = {
     "G6": (2, 32, 8, 8192, 8192, 128, True),
     "G7": (32, 32, 8, 1, 4096, 128, False),
 }
-#: Cases timed forward+backward with --backward (G7 is decode: no training step).
-BACKWARD_CASES = ("G1", "G2", "G3", "G4", "G5", "G6")
-#: DESIGN.md §5: forward+backward costs 3.5x the forward's FLOPs.
-BACKWARD_FLOP_FACTOR = 3.5
 
 
 def median_ms(torch: Any, run: Callable[[int], Any], repeats: int) -> float:
@@ -60,6 +56,48 @@ def median_ms(torch: Any, run: Callable[[int], Any], repeats: int) -> float:
         stop.synchronize()
         times.append(start.elapsed_time(stop))
     return statistics.median(times)
+
+
+def copy_tbytes_per_s(repeats: int, size: int = 1 << 30) -> float:
+    """Device copy bandwidth: (read + write bytes) / median time of a CuPy device-to-device copy."""
+    import cupy
+
+    source, target = cupy.ones(size, dtype=cupy.uint8), cupy.empty(size, dtype=cupy.uint8)
+    target[...] = source
+    times = []
+    for _ in range(repeats):
+        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record()
+        target[...] = source
+        stop.record()
+        stop.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, stop))
+    return 2 * size / statistics.median(times) / 1e9
+
+
+def training_implementations(torch: Any) -> dict[str, Callable[..., Any]]:
+    """Each takes (q, k, v, causal, grad) with q, k, v requiring grad and runs forward+backward
+    (the previous call's gradients are dropped first, so none is accumulated into)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import fastattn.torch as fastattn_torch
+
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def fastattn_cuda(q, k, v, causal, grad):
+        q.grad = k.grad = v.grad = None
+        fastattn_torch.attention(q, k, v, causal=causal, backend="cuda").backward(grad)
+
+    def torch_default(q, k, v, causal, grad):
+        q.grad = k.grad = v.grad = None
+        sdpa(q, k, v, is_causal=causal, enable_gqa=q.shape[1] != k.shape[1]).backward(grad)
+
+    def torch_flash(q, k, v, causal, grad):  # declines float32: recorded as such
+        q.grad = k.grad = v.grad = None
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            sdpa(q, k, v, is_causal=causal, enable_gqa=q.shape[1] != k.shape[1]).backward(grad)
+
+    return {"fastattn cuda": fastattn_cuda, "torch default": torch_default, "torch flash": torch_flash}
 
 
 def implementations(torch: Any) -> dict[str, Callable[..., Any]]:
@@ -81,73 +119,68 @@ def implementations(torch: Any) -> dict[str, Callable[..., Any]]:
     return {"fastattn cuda": fastattn_cuda, "torch default": torch_default, "torch flash": torch_flash}
 
 
-def training_implementations(torch: Any) -> dict[str, Callable[..., Any]]:
-    """Each takes (q, k, v, dout, causal), q/k/v requiring grad, and returns (dq, dk, dv)."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    import fastattn.torch as fastattn_torch
-
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-
-    def fastattn_cuda(q, k, v, dout, causal):
-        out = fastattn_torch.attention(q, k, v, causal=causal, backend="cuda")
-        return torch.autograd.grad(out, (q, k, v), dout)
-
-    def torch_default(q, k, v, dout, causal):
-        out = sdpa(q, k, v, is_causal=causal, enable_gqa=q.shape[1] != k.shape[1])
-        return torch.autograd.grad(out, (q, k, v), dout)
-
-    def torch_flash(q, k, v, dout, causal):
-        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-            out = sdpa(q, k, v, is_causal=causal, enable_gqa=q.shape[1] != k.shape[1])
-            return torch.autograd.grad(out, (q, k, v), dout)
-
-    return {"fastattn cuda": fastattn_cuda, "torch default": torch_default, "torch flash": torch_flash}
-
-
 def run_case(
-    torch: Any, name: str, dtype: str, repeats: int, rotate: int, direction: str = "forward"
+    torch: Any, name: str, dtype: str, repeats: int, rotate: int, training: bool = False
 ) -> list[dict[str, Any]]:
-    """Time every implementation on one case; ``direction`` is "forward" or "forward+backward"."""
+    """Time every implementation on one case; ``training`` times forward+backward instead."""
     batch, heads_q, heads_kv, seq_q, seq_k, dim, causal = CASES[name]
     element = getattr(torch, dtype)
-    training = direction == "forward+backward"
-    shapes = [(batch, heads_q, seq_q, dim), (batch, heads_kv, seq_k, dim), (batch, heads_kv, seq_k, dim)]
-    if training:
-        shapes.append((batch, heads_q, seq_q, dim))  # dout
     copies = [
         tuple(
-            torch.randn(shape, device="cuda", dtype=element, requires_grad=training and index < 3)
-            for index, shape in enumerate(shapes)
+            torch.randn(shape, device="cuda", dtype=element, requires_grad=training)
+            for shape in ((batch, heads_q, seq_q, dim), (batch, heads_kv, seq_k, dim), (batch, heads_kv, seq_k, dim))
         )
         for _ in range(rotate)
     ]
-    flops = forward_flops(batch, heads_q, seq_q, seq_k, dim, causal) * (BACKWARD_FLOP_FACTOR if training else 1)
+    grads = [torch.randn_like(q) for q, _, _ in copies] if training else []
+    flops = forward_flops(batch, heads_q, seq_q, seq_k, dim, causal) * (3.5 if training else 1.0)
     kv_bytes = 2 * batch * heads_kv * seq_k * dim * copies[0][0].element_size()
     rows = []
     calls = training_implementations(torch) if training else implementations(torch)
     for label, call in calls.items():
-        row = {"case": name, "dtype": dtype, "pass": direction, "implementation": label}
+        if training:
+            run = lambda i, call=call: call(*copies[i % rotate], causal, grads[i % rotate])  # noqa: E731
+        else:
+            run = lambda i, call=call: call(*copies[i % rotate], causal)  # noqa: E731
         try:
-            milliseconds = median_ms(torch, lambda i, call=call: call(*copies[i % rotate], causal), repeats)
+            milliseconds = median_ms(torch, run, repeats)
         except (RuntimeError, fastattn.UnsupportedError) as error:  # a torch backend that declines
-            rows.append({**row, "error": str(error)[:200]})
+            rows.append({"case": name, "dtype": dtype, "implementation": label, "error": str(error)[:200]})
             continue
         rows.append(
             {
-                **row,
+                "case": name,
+                "dtype": dtype,
+                "implementation": label,
                 "median_ms": milliseconds,
                 "tflops": flops / milliseconds / 1e9,
                 "kv_tbytes_per_s": kv_bytes / milliseconds / 1e9,
             }
         )
-        print(f"  {name} {dtype} {direction} {label}: {milliseconds:.3f} ms", file=sys.stderr, flush=True)
+        if training:
+            rows[-1]["pass"] = "forward+backward"
+        print(f"  {name} {dtype} {label}{' fwd+bwd' if training else ''}: {milliseconds:.3f} ms", file=sys.stderr, flush=True)
     return rows
+
+
+def format_decode_table(rows: list[dict[str, Any]], copy_tbytes: float) -> str:
+    """G7: K/V GB/s and the fraction of the copy bandwidth measured in the same run."""
+    header = f"{'case':<4} {'dtype':<9} {'implementation':<14} {'ms':>9} {'K/V GB/s':>9} {'of copy':>8}"
+    lines = [f"device copy bandwidth: {copy_tbytes * 1000:.0f} GB/s (read + write)", header, "-" * len(header)]
+    for row in rows:
+        if row["case"] != "G7" or "median_ms" not in row:
+            continue
+        gbytes = row["kv_tbytes_per_s"] * 1000
+        lines.append(
+            f"{row['case']:<4} {row['dtype']:<9} {row['implementation']:<14} {row['median_ms']:>9.3f} "
+            f"{gbytes:>9.0f} {row['copy_fraction']:>7.0%}"
+        )
+    return "\n".join(lines)
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
     """Fixed-width table with the ratio of each implementation to torch's two backends."""
-    by_key = {(r["case"], r["dtype"], r["implementation"]): r for r in rows if "median_ms" in r}
+    by_key = {(r["case"], r["dtype"], r["implementation"], r.get("pass")): r for r in rows if "median_ms" in r}
     header = f"{'case':<4} {'dtype':<9} {'implementation':<14} {'ms':>9} {'TFLOP/s':>8} {'vs default':>10} {'vs flash':>9}"
     lines = [header, "-" * len(header)]
     for row in rows:
@@ -156,11 +189,12 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             continue
         ratios = []
         for anchor in ("torch default", "torch flash"):
-            other = by_key.get((row["case"], row["dtype"], anchor))
+            other = by_key.get((row["case"], row["dtype"], anchor, row.get("pass")))
             ratios.append(other["median_ms"] / row["median_ms"] if other else math.nan)
         lines.append(
             f"{row['case']:<4} {row['dtype']:<9} {row['implementation']:<14} {row['median_ms']:>9.3f} "
             f"{row['tflops']:>8.1f} {ratios[0]:>9.2f}x {ratios[1]:>8.2f}x"
+            + ("  (forward+backward)" if row.get("pass") else "")
         )
     return "\n".join(lines)
 
@@ -168,41 +202,45 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
-    parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float16"], choices=["bfloat16", "float16"])
+    parser.add_argument(
+        "--dtypes", nargs="+", default=["bfloat16", "float16", "float32"], choices=["bfloat16", "float16", "float32"]
+    )
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--rotate", type=int, default=4, help="input copies cycled through (defeats L2 reuse)")
     parser.add_argument("--json", type=Path, help="output path (default benchmarks/results/h100-<date>.json)")
-    parser.add_argument("--backward", action="store_true", help="also time forward+backward on G1-G6")
     arguments = parser.parse_args(argv)
     import torch
 
     if not torch.cuda.is_available():
         print("bench_gpu: torch sees no CUDA device", file=sys.stderr)
         return 2
+    copy_tbytes = copy_tbytes_per_s(arguments.repeats)
     rows = [
         row
         for dtype in arguments.dtypes
         for name in arguments.cases
         for row in run_case(torch, name, dtype, arguments.repeats, arguments.rotate)
     ]
+    rows += [
+        row
+        for dtype in arguments.dtypes
+        for name in arguments.cases
+        if name != "G7"
+        for row in run_case(torch, name, dtype, arguments.repeats, arguments.rotate, training=True)
+    ]
+    for row in rows:
+        if row["case"] == "G7" and "median_ms" in row:
+            row["copy_fraction"] = row["kv_tbytes_per_s"] / copy_tbytes
     print(format_table(rows))
-    if arguments.backward:
-        training = [
-            row
-            for dtype in arguments.dtypes
-            for name in arguments.cases
-            if name in BACKWARD_CASES
-            for row in run_case(torch, name, dtype, arguments.repeats, arguments.rotate, "forward+backward")
-        ]
-        print(f"\nforward+backward (FLOPs {BACKWARD_FLOP_FACTOR}x the forward's)")
-        print(format_table(training))
-        rows += training
+    print()
+    print(format_decode_table(rows, copy_tbytes))
     report = {
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "repeats": arguments.repeats,
         "rotate": arguments.rotate,
+        "copy_tbytes_per_s": copy_tbytes,
         "rows": rows,
     }
     path = arguments.json or Path(__file__).parent / "results" / f"h100-{datetime.date.today().isoformat()}.json"

@@ -87,6 +87,11 @@ class AttentionProblem:
         return self.heads_q // self.heads_kv
 
     @property
+    def is_empty(self) -> bool:
+        """No work: B, Sq or Sk is 0 (out is then all 0 with lse -inf, and the gradients are 0)."""
+        return self.batch == 0 or self.seq_q == 0 or self.seq_k == 0
+
+    @property
     def key_offset(self) -> int:
         """``Sk - Sq`` under bottom-right alignment, else 0: query i sits at key position i + offset."""
         return self.seq_k - self.seq_q if self.causal == "bottom_right" else 0

@@ -18,6 +18,10 @@ from . import _arrays
 from ._problem import AttentionExtras, AttentionProblem, Causal, Direction, Layout
 
 _LAYOUTS = ("bhsd", "bshd")
+#: The largest head_dim (and Dv) a call may have: four times the largest any released model uses;
+#: beyond it a per-thread tile no longer fits in cache and the call is almost surely a mistake
+#: (a sequence axis passed as the head axis).
+MAX_HEAD_DIM = 1024
 _AXES = {"bhsd": "(B, H, S, D)", "bshd": "(B, S, H, D)"}
 
 
@@ -172,6 +176,8 @@ def _key_lengths(key_lengths: Any, origin: _arrays.ArrayOrigin, batch: int, seq_
             f"received {tuple(native.shape)}"
         )
     lengths = native.astype(np.int64)
+    if batch == 0:
+        return lengths
     low, high = int(lengths.min()), int(lengths.max())
     if low < 0 or high > seq_k:
         raise ValueError(
@@ -231,18 +237,23 @@ def prepare(
     batch, heads_q, seq_q, head_dim = bhsd["q"].shape
     _, heads_kv, seq_k, _ = bhsd["k"].shape
     head_dim_v = bhsd["v"].shape[3]
-    if min(batch, heads_q, seq_q, head_dim) < 1:
-        raise ValueError(f"{label['q']}: expected every size >= 1, received shape {tuple(natives['q'].shape)}")
-    if min(heads_kv, seq_k) < 1:
-        raise ValueError(f"{label['k']}: expected every size >= 1, received shape {tuple(natives['k'].shape)}")
+    for name, heads, dim in (("q", heads_q, head_dim), ("k", heads_kv, head_dim), ("v", heads_kv, head_dim_v)):
+        if heads < 1 or dim < 1:
+            raise ValueError(
+                f"{label[name]}: expected at least one head and head_dim >= 1 (batch and sequence sizes "
+                f"may be 0), received shape {tuple(natives[name].shape)}"
+            )
+        if dim > MAX_HEAD_DIM:
+            raise ValueError(
+                f"{label[name]}: expected head_dim <= {MAX_HEAD_DIM}, received {dim} "
+                f"(shape {tuple(natives[name].shape)} in layout {layout!r})"
+            )
     if heads_q % heads_kv:
         raise ValueError(
             f"{label['k']}: expected a number of kv heads that divides the {heads_q} query heads, "
             f"received {heads_kv}"
         )
     _check_shape(label["k"], bhsd["k"], (batch, heads_kv, seq_k, head_dim), layout, "batch and head_dim of q")
-    if head_dim_v < 1:
-        raise ValueError(f"{label['v']}: expected every size >= 1, received shape {tuple(natives['v'].shape)}")
     _check_shape(label["v"], bhsd["v"], (batch, heads_kv, seq_k, head_dim_v), layout, "B, Hkv and Sk of k")
 
     if direction == "backward":

@@ -120,11 +120,33 @@ def attention(
 def _forward(call: PreparedCall, backend: str | None, return_lse: bool = False) -> Any:
     """Run a prepared forward call and hand the results back in the caller's framework."""
     chosen = registry.select(call.problem, backend)
-    out, lse = chosen.forward(call.problem, call.arrays["q"], call.arrays["k"], call.arrays["v"], call.extras)
+    if call.problem.is_empty:
+        out, lse = _empty_forward(call)
+    else:
+        out, lse = chosen.forward(call.problem, call.arrays["q"], call.arrays["k"], call.arrays["v"], call.extras)
     result = _arrays.from_native(_arrays.swap_layout(out, call.problem.layout), call.origin)
     if return_lse:
         return result, _arrays.from_native(lse, call.origin)
     return result
+
+
+def _zeros_like_bhsd(native: Any, layout: str) -> Any:
+    """Zeros shaped and typed like a (B, H, S, D) native array, contiguous in ``layout``."""
+    xp = _arrays.namespace(native)
+    result = _arrays.empty_bhsd(xp, tuple(native.shape), native.dtype, layout)
+    result[...] = 0
+    return result
+
+
+def _empty_forward(call: PreparedCall) -> tuple[Any, Any]:
+    """The result of a call with B, Sq or Sk of 0, without a backend: no key means 0 and lse -inf."""
+    problem, q = call.problem, call.arrays["q"]
+    xp = _arrays.namespace(q)
+    shape = (problem.batch, problem.heads_q, problem.seq_q, problem.head_dim_v)
+    out = _arrays.empty_bhsd(xp, shape, q.dtype, problem.layout)
+    out[...] = 0
+    lse = xp.full(shape[:3], -xp.inf, dtype=_arrays.accumulation_dtype(problem.dtype))
+    return out, lse
 
 
 def attention_backward(
@@ -188,7 +210,10 @@ def attention_backward(
     )
     chosen = registry.select(call.problem, backend)
     a = call.arrays
-    grads = chosen.backward(call.problem, a["dout"], a["q"], a["k"], a["v"], a["out"], a["lse"], call.extras)
+    if call.problem.is_empty:
+        grads = tuple(_zeros_like_bhsd(a[name], call.problem.layout) for name in ("q", "k", "v"))
+    else:
+        grads = chosen.backward(call.problem, a["dout"], a["q"], a["k"], a["v"], a["out"], a["lse"], call.extras)
     return tuple(
         _arrays.from_native(_arrays.swap_layout(grad, call.problem.layout), call.origin) for grad in grads
     )

@@ -48,11 +48,22 @@ def test_error_no_worse_than_twice_torch_sdpa(head_dim: int, dtype: str, causal)
 
 
 def test_declines_what_it_does_not_run_with_reasons() -> None:
-    q = cupy.zeros((1, 2, 8, 80), dtype=cupy.float32)
-    reasons = fastattn.explain(q, q, q).reasons["cuda"]
-    assert any("float16 or bfloat16" in reason for reason in reasons)
-    assert any("head_dim" in reason for reason in reasons)
-    assert fastattn.explain(q, q, q).chosen == "reference"
+    q = cupy.zeros((1, 2, 8, 80), dtype=cupy.float16)
+    explanation = fastattn.explain(q, q, q)
+    assert any("head_dim" in reason for reason in explanation.reasons["cuda"])
+    assert explanation.chosen == "reference"
+
+
+def test_float64_runs_on_the_reference_through_cupy() -> None:
+    rng = np.random.default_rng(3)
+    q, k, v = (cupy.asarray(rng.standard_normal((1, 2, 8, 80))) for _ in range(3))
+    explanation = fastattn.explain(q, k, v)
+    assert explanation.reasons["cuda"] == ["float64 runs on the reference backend through CuPy"]
+    assert explanation.chosen == "reference"
+    out = fastattn.attention(q, k, v)
+    assert isinstance(out, cupy.ndarray) and out.dtype == cupy.float64
+    expected = fastattn.attention(q.get(), k.get(), v.get(), backend="reference")
+    assert _error(out.get(), expected) <= 1e-12
 
 
 # --------------------------------------------------------------------------------------------------
@@ -261,3 +272,22 @@ def test_backward_is_chosen_for_half_precision() -> None:
     explanation = fastattn.explain(q, q, q)
     assert explanation.backward_reasons["cuda"] == []
     assert explanation.chosen_backward == "cuda"
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_nan_values_behind_a_mask_leave_the_backward_finite(deterministic: bool) -> None:
+    """dS is exactly 0 wherever P is 0, so a NaN in V at a masked key (dO V^T is NaN there) stays out.
+
+    out and lse come from the reference: the tensor-core forward still multiplies the 0 weights
+    inside its mma tiles (README "NaN and infinity")."""
+    torch = _torch_cuda()
+    q = torch.randn(1, 4, 90, 64, device="cuda", dtype=torch.float16)
+    k, v = (torch.randn(1, 2, 100, 64, device="cuda", dtype=torch.float16) for _ in "kv")
+    mask = torch.ones(1, 1, 90, 100, dtype=torch.bool, device="cuda")
+    mask[..., 17] = False
+    v[:, :, 17] = float("nan")
+    out, lse = fastattn.attention(q, k, v, mask=mask, return_lse=True, backend="reference")
+    dout = torch.randn_like(out)
+    grads = fastattn.attention_backward(dout, q, k, v, out, lse, mask=mask, backend="cuda", deterministic=deterministic)
+    for grad, name in zip(grads, ("dq", "dk", "dv")):
+        assert grad.isfinite().all(), name

@@ -43,6 +43,8 @@ cdef extern from "flash_forward.h" namespace "fastattn" nogil:
         int64_t splits
         char* partial_out
         char* partial_lse
+        int skip_zero_weights
+        int* nonfinite_output
 
 cdef extern from "flash_backward.h" namespace "fastattn" nogil:
     cdef struct BwdParams:
@@ -136,6 +138,8 @@ cdef void _fill(FwdParams* p, q, k, v, lse, double scale, double softcap, bint c
     p.splits = 1
     p.partial_out = p.partial_lse = NULL
     p.out = NULL
+    p.skip_zero_weights = 0
+    p.nonfinite_output = NULL
 
 
 cdef char* _slab(size_t per_thread, int threads, list keep) except NULL:
@@ -177,7 +181,7 @@ def forward(q, k, v, out, lse, *, double scale, double softcap, bint causal, int
         OpenMP threads for the parallel regions (capped at the number of work items).
     """
     cdef FwdParams p
-    cdef int64_t items, index, combines
+    cdef int64_t items
     cdef size_t scratch_bytes
     cdef char* scratch
     keep = []
@@ -198,13 +202,23 @@ def forward(q, k, v, out, lse, *, double scale, double softcap, bint causal, int
     threads = max(1, min(threads, items))
     scratch_bytes = (fa_forward_scratch_bytes(&p) + 63) // 64 * 64
     scratch = _slab(scratch_bytes, threads, keep)
+    cdef int nonfinite = 0
+    p.nonfinite_output = &nonfinite
     with nogil:
-        for index in prange(items, schedule="dynamic", num_threads=threads):
-            fa_forward_item(&p, scratch + omp_get_thread_num() * scratch_bytes, index)
-        if splits > 1:
-            combines = p.batch * p.heads_kv * p.query_blocks
-            for index in prange(combines, schedule="static", num_threads=threads):
-                fa_forward_combine(&p, index)
+        _forward_pass(&p, scratch, scratch_bytes, items, threads)
+        if nonfinite:  # see note_stored in flash_forward.h: rerun skipping zero-weight products
+            p.skip_zero_weights = 1
+            _forward_pass(&p, scratch, scratch_bytes, items, threads)
+
+
+cdef void _forward_pass(FwdParams* p, char* scratch, size_t scratch_bytes, int64_t items, int threads) noexcept nogil:
+    cdef int64_t index, combines
+    for index in prange(items, schedule="dynamic", num_threads=threads):
+        fa_forward_item(p, scratch + omp_get_thread_num() * scratch_bytes, index)
+    if p.splits > 1:
+        combines = p.batch * p.heads_kv * p.query_blocks
+        for index in prange(combines, schedule="static", num_threads=threads):
+            fa_forward_combine(p, index)
 
 
 def backward(dout, q, k, v, out, lse, dq, dk, dv, *, double scale, double softcap, bint causal,
@@ -256,10 +270,21 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, *, double scale, double softca
     used = max(1, threads)
     scratch_bytes = (fa_backward_scratch_bytes(&p) + 63) // 64 * 64
     scratch = _slab(scratch_bytes, used, keep)
+    cdef int nonfinite = 0
+    p.f.nonfinite_output = &nonfinite
     with nogil:
         for index in prange(rows, schedule="static", num_threads=used):
             fa_backward_delta(&p, index)
-        for index in prange(key_items, schedule="dynamic", num_threads=used):
-            fa_backward_dkdv(&p, scratch + omp_get_thread_num() * scratch_bytes, index)
-        for index in prange(query_items, schedule="dynamic", num_threads=used):
-            fa_backward_dq(&p, scratch + omp_get_thread_num() * scratch_bytes, index)
+        _gradient_passes(&p, scratch, scratch_bytes, key_items, query_items, used)
+        if nonfinite:  # see note_stored in flash_forward.h: rerun skipping zero-weight products
+            p.f.skip_zero_weights = 1
+            _gradient_passes(&p, scratch, scratch_bytes, key_items, query_items, used)
+
+
+cdef void _gradient_passes(BwdParams* p, char* scratch, size_t scratch_bytes, int64_t key_items,
+                           int64_t query_items, int threads) noexcept nogil:
+    cdef int64_t index
+    for index in prange(key_items, schedule="dynamic", num_threads=threads):
+        fa_backward_dkdv(p, scratch + omp_get_thread_num() * scratch_bytes, index)
+    for index in prange(query_items, schedule="dynamic", num_threads=threads):
+        fa_backward_dq(p, scratch + omp_get_thread_num() * scratch_bytes, index)

@@ -40,7 +40,7 @@ struct BwdParams {
 };
 
 /* C[m][cols] += sum_r A[m][r] * B[r][cols] for MR rows of A (stride mp) and NV vectors of columns. */
-template <typename T, int MR, int NV>
+template <typename T, int MR, int NV, bool Skip>
 static inline void outer_kernel(const T* a, int64_t mp, const T* bm, int64_t b_stride, int64_t rows, T* c,
                                 int64_t c_stride) {
     typedef typename Vec<T>::type V;
@@ -53,6 +53,7 @@ static inline void outer_kernel(const T* a, int64_t mp, const T* bm, int64_t b_s
         for (int v = 0; v < NV; ++v) bv[v] = vload<V>(bm + r * b_stride + v * L);
         for (int m = 0; m < MR; ++m) {
             const V weight = vbroadcast<T>(a[m * mp + r]);
+            if (Skip && a[m * mp + r] == T(0)) continue; /* see note_stored in flash_forward.h */
             for (int v = 0; v < NV; ++v) acc[m][v] += weight * bv[v];
         }
     }
@@ -60,16 +61,16 @@ static inline void outer_kernel(const T* a, int64_t mp, const T* bm, int64_t b_s
         for (int v = 0; v < NV; ++v) vstore(c + m * c_stride + v * L, acc[m][v]);
 }
 
-template <typename T, int NV>
+template <typename T, int NV, bool Skip>
 static void outer_rows(int64_t keys, const T* a, int64_t mp, const T* bm, int64_t b_stride, int64_t rows, T* c,
                        int64_t c_stride) {
     int64_t j = 0;
     for (; j + kMainMR <= keys; j += kMainMR)
-        outer_kernel<T, kMainMR, NV>(a + j * mp, mp, bm, b_stride, rows, c + j * c_stride, c_stride);
+        outer_kernel<T, kMainMR, NV, Skip>(a + j * mp, mp, bm, b_stride, rows, c + j * c_stride, c_stride);
     switch (keys - j) {
 #define FASTATTN_OUTER_CASE(R) \
     case R:                    \
-        if constexpr (R < kMainMR) outer_kernel<T, R, NV>(a + j * mp, mp, bm, b_stride, rows, c + j * c_stride, c_stride); \
+        if constexpr (R < kMainMR) outer_kernel<T, R, NV, Skip>(a + j * mp, mp, bm, b_stride, rows, c + j * c_stride, c_stride); \
         break;
         FASTATTN_OUTER_CASE(1) FASTATTN_OUTER_CASE(2) FASTATTN_OUTER_CASE(3) FASTATTN_OUTER_CASE(4)
         FASTATTN_OUTER_CASE(5) FASTATTN_OUTER_CASE(6) FASTATTN_OUTER_CASE(7)
@@ -80,19 +81,29 @@ static void outer_rows(int64_t keys, const T* a, int64_t mp, const T* bm, int64_
 
 /* C[keys][cols] += A[keys][rows] B[rows][cols]: two-vector column blocks, one-vector blocks, then a
  * scalar tail for head dimensions that are not a multiple of the vector width. */
-template <typename T>
-static void outer_product(int64_t keys, int64_t cols, const T* a, int64_t mp, const T* bm, int64_t b_stride,
+template <typename T, bool Skip>
+static void outer_columns(int64_t keys, int64_t cols, const T* a, int64_t mp, const T* bm, int64_t b_stride,
                           int64_t rows, T* c, int64_t c_stride) {
     constexpr int L = Vec<T>::lanes;
     int64_t col = 0;
-    for (; col + 2 * L <= cols; col += 2 * L) outer_rows<T, 2>(keys, a, mp, bm + col, b_stride, rows, c + col, c_stride);
-    for (; col + L <= cols; col += L) outer_rows<T, 1>(keys, a, mp, bm + col, b_stride, rows, c + col, c_stride);
+    for (; col + 2 * L <= cols; col += 2 * L) outer_rows<T, 2, Skip>(keys, a, mp, bm + col, b_stride, rows, c + col, c_stride);
+    for (; col + L <= cols; col += L) outer_rows<T, 1, Skip>(keys, a, mp, bm + col, b_stride, rows, c + col, c_stride);
     for (; col < cols; ++col)
         for (int64_t j = 0; j < keys; ++j) {
             T total = 0;
-            for (int64_t r = 0; r < rows; ++r) total += a[j * mp + r] * bm[r * b_stride + col];
+            for (int64_t r = 0; r < rows; ++r)
+                if (!Skip || a[j * mp + r] != T(0)) total += a[j * mp + r] * bm[r * b_stride + col];
             c[j * c_stride + col] += total;
         }
+}
+
+template <typename T>
+static void outer_product(int64_t keys, int64_t cols, const T* a, int64_t mp, const T* bm, int64_t b_stride,
+                          int64_t rows, T* c, int64_t c_stride, bool skip_zero_weights) {
+    if (skip_zero_weights)
+        outer_columns<T, true>(keys, cols, a, mp, bm, b_stride, rows, c, c_stride);
+    else
+        outer_columns<T, false>(keys, cols, a, mp, bm, b_stride, rows, c, c_stride);
 }
 
 /* Scratch for either pass, in compute-type elements. */
@@ -175,11 +186,15 @@ static void softmax_gradient(const FwdParams& p, T* s, T* dp, const T* cap_grad,
     constexpr int L = Vec<T>::lanes;
     for (int64_t j = 0; j < n; ++j)
         for (int64_t r = 0; r < mp; r += L) {
-            const V prob = vexp(vload<V>(s + j * mp + r) - vload<V>(lse + r));
+            /* A hidden key (-inf) has P = 0 even in a row whose lse is NaN. */
+            const V score = vload<V>(s + j * mp + r);
+            const V prob = vselect(score == vbroadcast(-std::numeric_limits<T>::infinity()), V{},
+                                   vexp(score - vload<V>(lse + r)));
             vstore(s + j * mp + r, prob);
             V grad = prob * (vload<V>(dp + j * mp + r) - vload<V>(delta + r));
             if (p.softcap > 0) grad *= vload<V>(cap_grad + j * mp + r);
-            vstore(dp + j * mp + r, grad);
+            /* A key of zero weight has dS = 0 exactly, even if its dP (V) is not finite. */
+            vstore(dp + j * mp + r, vselect(prob != V{}, grad, V{}));
         }
 }
 
@@ -225,15 +240,21 @@ static void dkdv_block(const BwdParams& bp, T* scratch, int64_t b, int64_t kvh, 
             pack.fill(bp, b, kvh, q0, qn);
             const int64_t mp = pack.mp;
             tile_gradients<T, In, NV>(p, tile, t, live, k0, b, kvh, q0, qn);
-            outer_product<T>(live, Dv, t.s, mp, pack.do_rows, Dv, pack.rows, dv, Dv);
-            outer_product<T>(live, D, t.dp, mp, pack.q_rows, D, pack.rows, dk, D);
+            outer_product<T>(live, Dv, t.s, mp, pack.do_rows, Dv, pack.rows, dv, Dv, p.skip_zero_weights);
+            outer_product<T>(live, D, t.dp, mp, pack.q_rows, D, pack.rows, dk, D, p.skip_zero_weights);
         }
     }
     for (int64_t j = 0; j < n; ++j) {
         In* dk_row = reinterpret_cast<In*>(bp.dk) + b * bp.dk_stride[0] + kvh * bp.dk_stride[1] + (k0 + j) * bp.dk_stride[2];
         In* dv_row = reinterpret_cast<In*>(bp.dv) + b * bp.dv_stride[0] + kvh * bp.dv_stride[1] + (k0 + j) * bp.dv_stride[2];
-        for (int64_t d = 0; d < D; ++d) dk_row[d] = Store<In>::from(dk[j * D + d]);
-        for (int64_t c = 0; c < Dv; ++c) dv_row[c] = Store<In>::from(dv[j * Dv + c]);
+        for (int64_t d = 0; d < D; ++d) {
+            note_stored(p, dk[j * D + d]);
+            dk_row[d] = Store<In>::from(dk[j * D + d]);
+        }
+        for (int64_t c = 0; c < Dv; ++c) {
+            note_stored(p, dv[j * Dv + c]);
+            dv_row[c] = Store<In>::from(dv[j * Dv + c]);
+        }
     }
 }
 
@@ -257,13 +278,16 @@ static void dq_block(const BwdParams& bp, T* scratch, int64_t b, int64_t kvh, in
         tile.load(p, b, kvh, kt, n, t.k_converted, t.v_converted);
         tile_gradients<T, In, NV>(p, tile, t, n, kt, b, kvh, q0, qn);
         for (int64_t rb = 0; rb < mp; rb += NV * lanes<T>())
-            Blocked<T, NV>::pv_all(D, tile.k, tile.k_stride, t.dp + rb, mp, n, dqt + rb);
+            Blocked<T, NV>::pv_all(D, tile.k, tile.k_stride, t.dp + rb, mp, n, dqt + rb, p.skip_zero_weights);
     }
     const T scale = (T)p.scale;
     for (int64_t r = 0; r < pack.rows; ++r) {
         const int64_t g = r / qn, i = q0 + r % qn, h = kvh * p.group + g;
         In* dst = reinterpret_cast<In*>(bp.dq) + b * bp.dq_stride[0] + h * bp.dq_stride[1] + i * bp.dq_stride[2];
-        for (int64_t d = 0; d < D; ++d) dst[d] = Store<In>::from(scale * dqt[d * mp + r]);
+        for (int64_t d = 0; d < D; ++d) {
+            note_stored(p, scale * dqt[d * mp + r]);
+            dst[d] = Store<In>::from(scale * dqt[d * mp + r]);
+        }
     }
 }
 

@@ -71,7 +71,20 @@ struct FwdParams {
     int64_t splits;       /* key splits per (b, kv head, query block); > 1 only for decode */
     char* partial_out;    /* splits > 1: [items][splits][rows][Dv] in the compute type */
     char* partial_lse;    /* splits > 1: [items][splits][rows] */
+    int skip_zero_weights; /* products whose weight (P or dS) is exactly 0 are skipped, not added */
+    int* nonfinite_output; /* set to 1 (relaxed atomic) when a NaN or infinity is stored in a result */
 };
+
+/* Non-finite inputs.  A product weight * value with weight exactly 0 (a hidden key, or exp
+ * underflow) is 0 in exact arithmetic, but 0 * inf and 0 * NaN are NaN: a NaN in V at a key a
+ * row cannot see would leak into that row, and only when the key shares a tile with visible ones.
+ * The contract (the reference backend) skips such products.  Skipping costs a select per product,
+ * so the kernels run without it first and record whether any stored result is non-finite; a leak
+ * can only add NaN or infinity, so a finite result is already exact, and a non-finite one makes
+ * the caller rerun with skip_zero_weights = 1. */
+static inline void note_stored(const FwdParams& p, double value) {
+    if (!std::isfinite(value)) __atomic_store_n(p.nonfinite_output, 1, __ATOMIC_RELAXED);
+}
 
 #if FASTATTN_VECTOR_BYTES == 64
 constexpr int kMainMR = 8;
@@ -123,7 +136,7 @@ static inline void qk_kernel(const T* k, int64_t k_stride, const T* qp, int64_t 
 }
 
 /* O[m][rows] += sum_j V[j][m] * P[j][rows] for MR output columns and NV vectors of rows. */
-template <typename T, int MR, int NV>
+template <typename T, int MR, int NV, bool Skip>
 static inline void pv_kernel(const T* vt, int64_t v_stride, const T* p, int64_t mp, int64_t keys, T* o) {
     typedef typename Vec<T>::type V;
     constexpr int L = Vec<T>::lanes;
@@ -136,7 +149,12 @@ static inline void pv_kernel(const T* vt, int64_t v_stride, const T* p, int64_t 
         const T* row = vt + j * v_stride;
         for (int m = 0; m < MR; ++m) {
             V vb = vbroadcast<T>(row[m]);
-            for (int v = 0; v < NV; ++v) acc[m][v] += vb * pv[v];
+            for (int v = 0; v < NV; ++v) {
+                if constexpr (Skip)
+                    acc[m][v] += vselect(pv[v] != V{}, vb * pv[v], V{});
+                else
+                    acc[m][v] += vb * pv[v];
+            }
         }
     }
     for (int m = 0; m < MR; ++m)
@@ -162,13 +180,21 @@ template <typename T, int NV, int MR = kMainMR> struct Blocked {
             default: break;
         }
     }
-    static void pv_all(int64_t columns, const T* vt, int64_t vs, const T* p, int64_t mp, int64_t keys, T* o) {
+    static void pv_all(int64_t columns, const T* vt, int64_t vs, const T* p, int64_t mp, int64_t keys, T* o,
+                       bool skip_zero_weights) {
+        if (skip_zero_weights)
+            pv_blocks<true>(columns, vt, vs, p, mp, keys, o);
+        else
+            pv_blocks<false>(columns, vt, vs, p, mp, keys, o);
+    }
+    template <bool Skip>
+    static void pv_blocks(int64_t columns, const T* vt, int64_t vs, const T* p, int64_t mp, int64_t keys, T* o) {
         int64_t c = 0;
-        for (; c + MR <= columns; c += MR) pv_kernel<T, MR, NV>(vt + c, vs, p, mp, keys, o + c * mp);
+        for (; c + MR <= columns; c += MR) pv_kernel<T, MR, NV, Skip>(vt + c, vs, p, mp, keys, o + c * mp);
         switch (columns - c) {
 #define FASTATTN_PV_CASE(R) \
     case R:                 \
-        if constexpr (R < MR) pv_kernel<T, R, NV>(vt + c, vs, p, mp, keys, o + c * mp); \
+        if constexpr (R < MR) pv_kernel<T, R, NV, Skip>(vt + c, vs, p, mp, keys, o + c * mp); \
         break;
             FASTATTN_PV_CASE(1) FASTATTN_PV_CASE(2) FASTATTN_PV_CASE(3) FASTATTN_PV_CASE(4)
             FASTATTN_PV_CASE(5) FASTATTN_PV_CASE(6) FASTATTN_PV_CASE(7)
@@ -211,9 +237,10 @@ static inline void visible_keys(const FwdParams& p, int64_t b, int64_t q0, int64
 /* ---- scores: softcap, causal/window edges, mask arrays ----------------------------------------- */
 
 /* Finish a transposed score tile S[j][rows] (n keys from kt, rows of query block q0..q0+qn):
- * softcap (its derivative 1 - tanh^2 saved to cap_grad when given, for the backward), then -inf
- * wherever a key is hidden by causal/window (only on tiles that straddle an edge) or by the mask
- * array, and the float mask added. */
+ * softcap (its derivative 1 - tanh^2 saved to cap_grad when given, for the backward), the float
+ * mask added or -inf where the bool mask hides a key, then -inf wherever causal/window hides a key
+ * (only on tiles that straddle an edge).  Hiding comes last so that a hidden key is -inf even
+ * where the float mask holds a NaN. */
 template <typename T>
 static void finish_scores(const FwdParams& p, T* s, T* cap_grad, int64_t mp, int64_t rows, int64_t n, int64_t kt,
                           int64_t b, int64_t kvh, int64_t q0, int64_t qn, const T* position) {
@@ -222,11 +249,29 @@ static void finish_scores(const FwdParams& p, T* s, T* cap_grad, int64_t mp, int
     constexpr int L = Vec<T>::lanes;
     const T neg_inf = -std::numeric_limits<T>::infinity();
     if (p.softcap > 0) {
+        /* tanh and its derivative sech^2 from one u = exp(-2|x|): tanh = sign(x) (1 - u) / (1 + u),
+         * sech^2 = 4u / (1 + u)^2, accurate where tanh saturates (1 - tanh^2 would cancel to 0). */
         const V c = vbroadcast((T)p.softcap), ic = vbroadcast((T)(1.0 / p.softcap));
         for (int64_t e = 0; e < n * mp; e += L) {
-            const V t = vtanh(vload<V>(s + e) * ic);
-            vstore(s + e, c * t);
-            if (cap_grad) vstore(cap_grad + e, T(1) - t * t);
+            const V x = vload<V>(s + e) * ic;
+            const V magnitude = vselect(x < V{}, -x, x);
+            const V u = vexp(magnitude * T(-2));
+            const V t = (T(1) - u) / (T(1) + u);
+            vstore(s + e, c * vselect(x < V{}, -t, t));
+            if (cap_grad) vstore(cap_grad + e, T(4) * u / ((T(1) + u) * (T(1) + u)));
+        }
+    }
+    if (p.mask_kind != MASK_NONE) {
+        const int64_t G = p.group;
+        for (int64_t r = 0; r < rows; ++r) {
+            const int64_t g = r / qn, i = q0 + r % qn, h = kvh * G + g;
+            const int64_t base = b * p.mask_stride[0] + h * p.mask_stride[1] + i * p.mask_stride[2];
+            for (int64_t j = 0; j < n; ++j) {
+                bool visible = true;
+                const T added = mask_value<T>(p, base + (kt + j) * p.mask_stride[3], &visible);
+                T& score = s[j * mp + r];
+                score = visible ? score + added : neg_inf;
+            }
         }
     }
     const int64_t first_pos = q0 + p.offset, last_pos = q0 + qn - 1 + p.offset;
@@ -245,19 +290,6 @@ static void finish_scores(const FwdParams& p, T* s, T* cap_grad, int64_t mp, int
                 if (left_edge) visible &= key >= pos - left;
                 if (right_edge) visible &= key <= pos + right;
                 vstore(s + j * mp + r, vselect(visible, vload<V>(s + j * mp + r), minus_infinity));
-            }
-        }
-    }
-    if (p.mask_kind != MASK_NONE) {
-        const int64_t G = p.group;
-        for (int64_t r = 0; r < rows; ++r) {
-            const int64_t g = r / qn, i = q0 + r % qn, h = kvh * G + g;
-            const int64_t base = b * p.mask_stride[0] + h * p.mask_stride[1] + i * p.mask_stride[2];
-            for (int64_t j = 0; j < n; ++j) {
-                bool visible = true;
-                const T added = mask_value<T>(p, base + (kt + j) * p.mask_stride[3], &visible);
-                T& score = s[j * mp + r];
-                score = visible ? score + added : neg_inf;
             }
         }
     }
@@ -315,15 +347,21 @@ template <typename T, typename In>
 static inline void write_row(const FwdParams& p, int64_t b, int64_t h, int64_t i, int64_t r, const T* acc,
                              int64_t acc_stride, T row_max, T row_sum, T* partial_out, T* partial_lse) {
     const int64_t Dv = p.head_dim_v;
-    const T inverse = row_sum > 0 ? T(1) / row_sum : T(0);
-    const T lse = row_sum > 0 ? row_max + std::log(row_sum) : -std::numeric_limits<T>::infinity();
+    /* row_sum is 0 only without a key; NaN (a NaN score) is not "no key" and poisons the row. */
+    const bool saw_key = row_sum != T(0);
+    const T inverse = saw_key ? T(1) / row_sum : T(0);
+    const T lse = saw_key ? row_max + std::log(row_sum) : -std::numeric_limits<T>::infinity();
     if (partial_out) {
         for (int64_t c = 0; c < Dv; ++c) partial_out[r * Dv + c] = acc[c * acc_stride] * inverse;
         partial_lse[r] = lse;
         return;
     }
     In* dst = reinterpret_cast<In*>(p.out) + b * p.out_stride[0] + h * p.out_stride[1] + i * p.out_stride[2];
-    for (int64_t c = 0; c < Dv; ++c) dst[c] = Store<In>::from(acc[c * acc_stride] * inverse);
+    for (int64_t c = 0; c < Dv; ++c) {
+        const T value = acc[c * acc_stride] * inverse;
+        note_stored(p, value);
+        dst[c] = Store<In>::from(value);
+    }
     *(reinterpret_cast<T*>(p.lse) + b * p.lse_stride[0] + h * p.lse_stride[1] + i * p.lse_stride[2]) = lse;
 }
 
@@ -403,7 +441,7 @@ static void forward_block(const FwdParams& p, T* scratch, int64_t b, int64_t kvh
 
         /* O[c][rows] += V^T P. */
         for (int64_t rb = 0; rb < mp; rb += RB)
-            Blocked<T, NV>::pv_all(Dv, tile.v, tile.v_stride, s + rb, mp, n, o + rb);
+            Blocked<T, NV>::pv_all(Dv, tile.v, tile.v_stride, s + rb, mp, n, o + rb, p.skip_zero_weights);
     }
 
     /* Normalise and write: rows that saw no key get 0 and lse -inf. */
@@ -455,7 +493,7 @@ static void forward_block_dot(const FwdParams& p, T* scratch, int64_t b, int64_t
     const int64_t first_pos = q0 + p.offset, last_pos = q0 + qn - 1 + p.offset;
     int64_t lo, hi;
     visible_keys(p, b, q0, qn, k_begin, k_end, &lo, &hi);
-    const bool softcap = p.softcap > 0;
+    const bool softcap = p.softcap > 0, skip = p.skip_zero_weights != 0;
 
     for (int64_t kt = lo; kt < hi; kt += N) {
         const int64_t n = std::min(N, hi - kt);
@@ -563,6 +601,7 @@ static void forward_block_dot(const FwdParams& p, T* scratch, int64_t b, int64_t
                 for (int cb = 0; cb < CB; ++cb) vv[cb] = vload<V>(value + cb * L);
                 for (int r = 0; r < R; ++r) {
                     const V weight = vbroadcast(s[r * N + j]);
+                    if (skip && s[r * N + j] == T(0)) continue;
                     for (int cb = 0; cb < CB; ++cb) acc[r][cb] += weight * vv[cb];
                 }
             }
@@ -571,8 +610,10 @@ static void forward_block_dot(const FwdParams& p, T* scratch, int64_t b, int64_t
         }
         for (int64_t j = 0; j < n; ++j) {
             const T* value = v_rows + j * v_row_stride;
-            for (int r = 0; r < R; ++r)
+            for (int r = 0; r < R; ++r) {
+                if (skip && s[r * N + j] == T(0)) continue;
                 for (int64_t c = dv_main; c < Dv; ++c) o[r * Dv + c] += s[r * N + j] * value[c];
+            }
         }
     }
 
@@ -648,9 +689,19 @@ static void combine_item(const FwdParams& p, int64_t index) {
     for (int64_t r = 0; r < p.group * qn; ++r) {
         const int64_t g = r / qn, i = q0 + r % qn, h = kvh * p.group + g;
         T top = -std::numeric_limits<T>::infinity();
-        for (int64_t sp = 0; sp < p.splits; ++sp) top = std::max(top, lses[sp * rows_alloc + r]);
+        bool nan = false;
+        for (int64_t sp = 0; sp < p.splits; ++sp) {
+            top = std::max(top, lses[sp * rows_alloc + r]);
+            nan = nan || std::isnan(lses[sp * rows_alloc + r]);
+        }
         In* dst = reinterpret_cast<In*>(p.out) + b * p.out_stride[0] + h * p.out_stride[1] + i * p.out_stride[2];
         T* lse_out = reinterpret_cast<T*>(p.lse) + b * p.lse_stride[0] + h * p.lse_stride[1] + i * p.lse_stride[2];
+        if (nan) { /* a split saw a NaN score: the whole row is NaN, as without splits */
+            for (int64_t c = 0; c < Dv; ++c) dst[c] = Store<In>::from(std::numeric_limits<T>::quiet_NaN());
+            *lse_out = std::numeric_limits<T>::quiet_NaN();
+            note_stored(p, *lse_out);
+            continue;
+        }
         if (top == -std::numeric_limits<T>::infinity()) {
             for (int64_t c = 0; c < Dv; ++c) dst[c] = Store<In>::from(T(0));
             *lse_out = top;
@@ -664,6 +715,7 @@ static void combine_item(const FwdParams& p, int64_t index) {
                 const T weight = std::exp(lses[sp * rows_alloc + r] - top);
                 if (weight > 0) value += weight * parts[(sp * rows_alloc + r) * Dv + c];
             }
+            note_stored(p, value / total);
             dst[c] = Store<In>::from(value / total);
         }
         *lse_out = top + std::log(total);

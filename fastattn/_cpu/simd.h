@@ -121,17 +121,18 @@ template <typename V, typename M> static inline V vselect(M mask, V a, V b) {
 }
 
 template <typename V> static inline V vmax(V a, V b) { return vselect(a > b, a, b); }
-template <typename V> static inline V vmin(V a, V b) { return vselect(a < b, a, b); }
 
 /* exp for float lanes: Cephes expf (range reduction by n = round(x log2 e), degree-6 polynomial,
- * 2^n built in the exponent bits); inputs below ln(FLT_MIN) give exactly 0, -inf included. */
+ * 2^n built in the exponent bits); inputs below ln(FLT_MIN) give exactly 0, -inf included.  The
+ * clamping compares keep a NaN input NaN (a NaN score must poison its row, as in the reference). */
 static inline Vec<float>::type vexp(Vec<float>::type x) {
     typedef Vec<float>::type V;
     typedef Vec<float>::itype I;
     const V high = vbroadcast(88.3762626647949f);
     const V low = vbroadcast(-87.3365447504019f);
     I underflow = x < low;
-    x = vmin(vmax(x, low), high);
+    x = vselect(underflow, low, x);
+    x = vselect(x > high, high, x);
     const V magic = vbroadcast(12582912.0f); /* 1.5 * 2^23: adding it rounds to an integer */
     V shifted = x * 1.44269504088896341f + magic;
     V n = shifted - magic;
@@ -151,16 +152,6 @@ static inline Vec<float>::type vexp(Vec<float>::type x) {
 /* exp for double lanes: libm, lane by lane (float64 is the exact path, not the fast one). */
 static inline Vec<double>::type vexp(Vec<double>::type x) {
     for (int i = 0; i < Vec<double>::lanes; ++i) x[i] = std::exp(x[i]);
-    return x;
-}
-
-/* tanh through exp: 1 - 2 / (exp(2x) + 1), saturating correctly at both ends. */
-static inline Vec<float>::type vtanh(Vec<float>::type x) {
-    return 1.0f - 2.0f / (vexp(x + x) + 1.0f);
-}
-
-static inline Vec<double>::type vtanh(Vec<double>::type x) {
-    for (int i = 0; i < Vec<double>::lanes; ++i) x[i] = std::tanh(x[i]);
     return x;
 }
 

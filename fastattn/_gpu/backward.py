@@ -11,7 +11,6 @@ is compiled once per process, like the forward's.
 
 from __future__ import annotations
 
-import functools
 import importlib
 import math
 from dataclasses import dataclass
@@ -21,8 +20,9 @@ import numpy as np
 
 from .._problem import AttentionExtras, AttentionProblem
 from . import forward
-from ._launch import ELEMENTS, compile_functions, contract_arguments, row_strides, stream
+from ._launch import ELEMENTS, compiled, contract_arguments, stream, strides3
 
+SOURCE = "flash_backward.cu"
 HEAD_DIMS = forward.HEAD_DIMS
 KV_WARPS = 8
 DQ_WARPS = 4
@@ -104,12 +104,11 @@ class Kernels:
     dq: Any
 
 
-@functools.cache
 def kernels(dtype: str, head_dim: int, deterministic: bool) -> Kernels:
-    """The compiled kernels for one configuration (compiled on first use, then cached)."""
+    """The compiled kernels for one configuration (each compiled on first use, then cached)."""
     names = kernel_names(dtype, head_dim, deterministic)
     sizes = (0, kv_shared_bytes(head_dim), dq_shared_bytes(head_dim) if deterministic else 0)
-    return Kernels(*compile_functions("flash_backward.cu", names, sizes))
+    return Kernels(*(compiled(SOURCE, name, size) for name, size in zip(names, sizes)))
 
 
 def aligned(array: Any) -> Any:
@@ -149,7 +148,7 @@ def backward(
     q, k, v, dout, out, lse = (arrays[name] for name in ("q", "k", "v", "dout", "out", "lse"))
     dq, dk, dv = grads
     head_dim, deterministic = problem.head_dim, problem.deterministic
-    compiled = kernels(problem.dtype, head_dim, deterministic)
+    launch = kernels(problem.dtype, head_dim, deterministic)
     rows = problem.batch * problem.heads_q * problem.seq_q
     contract = contract_arguments(problem, extras)
     null = np.uint64(0)
@@ -160,45 +159,45 @@ def backward(
         delta = cupy.empty(rows, dtype=cupy.float32)
         dq_accum = None if deterministic else cupy.empty(rows * head_dim, dtype=cupy.float32)
         lanes = 1 << max(2, math.ceil(math.log2(head_dim // 8)))  # threads per row, a power of 2
-        compiled.prepare(
+        launch.prepare(
             (math.ceil(rows / (PREPARE_THREADS // lanes)),),
             (PREPARE_THREADS,),
             (
                 dout, out, lse, lse2, delta, null if dq_accum is None else dq_accum,
-                *row_strides(dout), *row_strides(out),
+                *strides3(dout), *strides3(out),
                 *(np.int64(stride // lse.itemsize) for stride in lse.strides),
                 np.int32(problem.heads_q), np.int32(problem.seq_q), np.int64(rows),
             ),
         )  # fmt: skip
-        compiled.kv(
+        launch.kv(
             (math.ceil(problem.seq_k / block_keys(head_dim)), problem.heads_kv, problem.batch),
             (KV_WARPS * 32,),
             (
                 q, k, v, dout, lse2, delta, null if dq_accum is None else dq_accum, dk, dv,
-                *row_strides(q), *row_strides(k), *row_strides(v), *row_strides(dout),
-                *row_strides(dk), *row_strides(dv),
+                *strides3(q), *strides3(k), *strides3(v), *strides3(dout),
+                *strides3(dk), *strides3(dv),
                 *contract,
             ),
             shared_mem=kv_shared_bytes(head_dim),
         )  # fmt: skip
         if deterministic:
-            compiled.dq(
+            launch.dq(
                 (math.ceil(problem.seq_q / DQ_BLOCK_M), problem.heads_q, problem.batch),
                 (DQ_WARPS * 32,),
                 (
                     q, k, v, dout, lse2, delta, dq,
-                    *row_strides(q), *row_strides(k), *row_strides(v), *row_strides(dout), *row_strides(dq),
+                    *strides3(q), *strides3(k), *strides3(v), *strides3(dout), *strides3(dq),
                     *contract,
                 ),
                 shared_mem=dq_shared_bytes(head_dim),
             )  # fmt: skip
         else:
             chunks = rows * head_dim // 8
-            compiled.dq(
+            launch.dq(
                 (math.ceil(chunks / CONVERT_THREADS),),
                 (CONVERT_THREADS,),
                 (
-                    dq_accum, dq, *row_strides(dq),
+                    dq_accum, dq, *strides3(dq),
                     np.int32(problem.heads_q), np.int32(problem.seq_q), np.int32(head_dim), np.int64(chunks),
                 ),
             )  # fmt: skip

@@ -8,19 +8,17 @@ on the caller's current stream: CuPy's, or torch's for torch tensors.
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any
 
-import numpy as np
-
 from .._problem import AttentionExtras, AttentionProblem
-from ._launch import ELEMENTS, MASK_KINDS, compile_functions, contract_arguments, row_strides, stream
+from ._launch import ELEMENTS, MASK_KINDS, compiled, contract_arguments, stream, strides2, strides3
 
+SOURCE = "flash_forward.cu"
 HEAD_DIMS = (32, 64, 96, 128, 256)
 BLOCK_M = 64
 WARPS = 4
-__all__ = ["HEAD_DIMS", "MASK_KINDS", "block_keys", "forward", "kernel", "shared_bytes"]
+__all__ = ["HEAD_DIMS", "MASK_KINDS", "SOURCE", "block_keys", "forward", "kernel", "shared_bytes"]
 
 
 def block_keys(head_dim: int) -> int:
@@ -34,20 +32,17 @@ def shared_bytes(head_dim: int) -> int:
     return BLOCK_M * row + 4 * block_keys(head_dim) * row
 
 
-@functools.cache
 def kernel(dtype: str, head_dim: int) -> Any:
     """The compiled kernel for one configuration (compiled on first use, then cached)."""
     name = f"fastattn_gpu::flash_forward<{ELEMENTS[dtype]}, {head_dim}, {block_keys(head_dim)}>"
-    (function,) = compile_functions("flash_forward.cu", (name,), (shared_bytes(head_dim),))
-    return function
+    return compiled(SOURCE, name, shared_bytes(head_dim))
 
 
 def forward(problem: AttentionProblem, q: Any, k: Any, v: Any, out: Any, lse: Any, extras: AttentionExtras) -> None:
     """Launch the forward on (B, H, S, D)-ordered CuPy arrays, writing ``out`` and ``lse``."""
     arguments = [
         q, k, v, out, lse,
-        *row_strides(q), *row_strides(k), *row_strides(v), *row_strides(out),
-        np.int64(lse.strides[0] // lse.itemsize), np.int64(lse.strides[1] // lse.itemsize),
+        *strides3(q), *strides3(k), *strides3(v), *strides3(out), *strides2(lse),
         *contract_arguments(problem, extras),
     ]  # fmt: skip
     grid = (math.ceil(problem.seq_q / BLOCK_M), problem.heads_q, problem.batch)

@@ -2,9 +2,13 @@
 
 The forward kernel (float16/bfloat16, head_dim 32/64/96/128/256, Dv = D) is in
 ``fastattn/_gpu/kernels/flash_forward.cu``.  It compiles in CI but has not yet run on a GPU:
-issue #6 owes the H100 runs.  The backward (same inputs) is in ``flash_backward.cu``; it compiles
-in CI but has not yet run on a GPU (issue #12 owes the runs).  What it declines
-(float32/float64, other head dims, Dv != D) runs on the reference backend, and ``explain`` says why.
+issue #6 owes the H100 runs.  Decode forwards (Sq <= 16, see ``fastattn._gpu.decode.eligible``) go
+to the split-KV kernel ``flash_decode.cu``; float32 runs the exact SIMT kernels of
+``flash_fp32.cu`` (forward and backward, head_dim and Dv up to 256), both compiled but not yet run
+on a GPU (issue #13).  The float16/bfloat16 backward is in ``flash_backward.cu`` (delta pre-pass,
+dK/dV per block of keys over the GQA group, dQ by float32 atomics or, deterministic, a pass over
+query blocks); it compiles in CI but has not yet run on a GPU (issue #12 owes the runs).  What it
+declines (float64, other head dims, Dv != D) runs on the reference backend, and ``explain`` says why.
 """
 
 from __future__ import annotations
@@ -16,9 +20,12 @@ from typing import Any
 from .. import _arrays
 from .._gpu import _launch as gpu_launch
 from .._gpu import backward as gpu_backward
+from .._gpu import decode as gpu_decode
 from .._gpu import forward as gpu_forward
+from .._gpu import fp32 as gpu_fp32
 from .._problem import AttentionExtras, AttentionProblem
 
+_FLOAT64 = "float64 runs on the reference backend through CuPy"
 _MAX_SHARED_MEMORY_PER_BLOCK_OPTIN = 97  # cudaDevAttrMaxSharedMemoryPerBlockOptin
 
 
@@ -43,13 +50,18 @@ class CudaBackend:
     name = "cuda"
     devices: tuple[str, ...] = ("cuda",)
     priority = 30
-    description = "CuPy/NVRTC tensor-core kernels (mma.sync), float16/bfloat16 forward and backward"
+    description = (
+        "CuPy/NVRTC kernels: tensor-core (mma.sync) float16/bfloat16 forward and backward, split-KV "
+        "decode, exact float32 forward and backward"
+    )
 
     def not_supported_reasons(self, problem: AttentionProblem) -> list[str]:
         """Why this call cannot run on the GPU kernels (empty when it can)."""
+        if problem.dtype == "float64":
+            return [_FLOAT64]
+        if problem.dtype == "float32":
+            return gpu_fp32.not_supported_reasons(problem)
         reasons = []
-        if problem.dtype not in ("float16", "bfloat16"):
-            reasons.append(f"takes float16 or bfloat16 inputs, not {problem.dtype} (no fp32 path yet)")
         if problem.head_dim not in gpu_forward.HEAD_DIMS:
             reasons.append(f"takes head_dim in {gpu_forward.HEAD_DIMS}, not {problem.head_dim}")
         if problem.head_dim_v != problem.head_dim:
@@ -66,13 +78,18 @@ class CudaBackend:
     def forward(
         self, problem: AttentionProblem, q: Any, k: Any, v: Any, extras: AttentionExtras
     ) -> tuple[Any, Any]:
-        """Return ``(out, lse)`` from the tensor-core kernel."""
+        """Return ``(out, lse)``: the decode kernel for Sq <= 16, else the float32 or tensor-core kernel."""
         cupy = importlib.import_module("cupy")
         out = _arrays.empty_bhsd(
             cupy, (problem.batch, problem.heads_q, problem.seq_q, problem.head_dim_v), q.dtype, problem.layout
         )
         lse = cupy.empty((problem.batch, problem.heads_q, problem.seq_q), dtype=cupy.float32)
-        gpu_forward.forward(problem, q, k, v, out, lse, extras)
+        if gpu_decode.eligible(problem) and gpu_decode.aligned(k, v):
+            gpu_decode.forward(problem, q, k, v, out, lse, extras)
+        elif problem.dtype == "float32":
+            gpu_fp32.forward(problem, q, k, v, out, lse, extras)
+        else:
+            gpu_forward.forward(problem, q, k, v, out, lse, extras)
         return out, lse
 
     def backward(
@@ -86,7 +103,13 @@ class CudaBackend:
         lse: Any,
         extras: AttentionExtras,
     ) -> tuple[Any, Any, Any]:
-        """Return ``(dq, dk, dv)`` from the tensor-core kernels (dk, dv summed over each GQA group)."""
+        """float32: the exact SIMT backward; float16/bfloat16: the tensor-core kernels.
+
+        dk and dv are summed over each kv head's query group; ``problem.deterministic`` makes the
+        half-precision dq bit-reproducible (the float32 kernels always are).
+        """
+        if problem.dtype == "float32":
+            return gpu_fp32.backward(problem, dout, q, k, v, out, lse, extras)
         cupy = importlib.import_module("cupy")
         inputs = {"q": q, "k": k, "v": v, "dout": dout, "out": out}
         b, hq, hkv, sq, sk = problem.batch, problem.heads_q, problem.heads_kv, problem.seq_q, problem.seq_k

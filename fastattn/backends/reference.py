@@ -5,6 +5,12 @@ V broadcast over G in batched matmuls, never repeated), applies the whole contra
 to it, and computes the analytic backward from the saved ``lse``.  Arithmetic is float64 for float64
 inputs and float32 otherwise.  It accepts every valid problem on either device: it is the answer of
 last resort, not a fast path, and its memory is O(B·Hq·Sq·Sk).
+
+It also defines what non-finite inputs do (README, "NaN and infinity"): IEEE arithmetic on the
+max-shifted softmax, except that a product whose weight (an attention probability, or dS in the
+backward) is exactly 0 counts 0 even when the other factor is infinite or NaN, so a key a row
+cannot see never reaches it.  Float32 probabilities below the smallest normal float are 0, as in
+the kernels' exp.
 """
 
 from __future__ import annotations
@@ -35,12 +41,11 @@ class ReferenceBackend:
         xp = _arrays.namespace(q)
         compute = _arrays.accumulation_dtype(problem.dtype)
         scores = _Scores(problem, xp, q, k, extras)
-        p, row_max, row_sum = scores.softmax_parts()
-        kv = v.astype(compute)
-        grouped_out = p @ kv[:, :, None]
-        has_keys = row_sum > 0
+        p, shift, row_sum = scores.softmax_parts()
+        grouped_out = _skip_zero_weights_matmul(xp, p, v.astype(compute)[:, :, None])
+        has_keys = row_sum != 0  # 0 only without a key; NaN poisons the row instead
         grouped_out /= xp.where(has_keys, row_sum, 1)[..., None]
-        lse = xp.where(has_keys, row_max + xp.log(xp.where(has_keys, row_sum, 1)), -xp.inf)
+        lse = xp.where(has_keys, shift + xp.log(xp.where(has_keys, row_sum, 1)), -xp.inf)
         out = _into_layout(xp, _ungroup(grouped_out, problem), q.dtype, problem.layout)
         return out, _ungroup(lse, problem).astype(compute)
 
@@ -61,19 +66,19 @@ class ReferenceBackend:
         scores = _Scores(problem, xp, q, k, extras)
         saved_lse = _group(lse.astype(compute), problem)
         # exp(s - inf) = 0 for every key of a row that saw none, so such rows get zero gradients.
-        p = xp.exp(scores.masked - xp.where(xp.isfinite(saved_lse), saved_lse, xp.inf)[..., None])
+        p = _probabilities(xp, scores.masked, xp.where(saved_lse == -xp.inf, xp.inf, saved_lse))
         grouped_dout = _group(dout.astype(compute), problem)
         grouped_out = _group(out.astype(compute), problem)
         kv_v = v.astype(compute)
-        dv = (p.swapaxes(-1, -2) @ grouped_dout).sum(axis=2)
+        dv = _skip_zero_weights_matmul(xp, p.swapaxes(-1, -2), grouped_dout).sum(axis=2)
         dp = grouped_dout @ kv_v[:, :, None].swapaxes(-1, -2)
         delta = (grouped_dout * grouped_out).sum(axis=-1, keepdims=True)
         ds = p * (dp - delta)
         if problem.softcap is not None:
-            ds *= 1 - (scores.capped / problem.softcap) ** 2
-        ds *= problem.scale
-        dq = ds @ k.astype(compute)[:, :, None]
-        dk = (ds.swapaxes(-1, -2) @ scores.grouped_q).sum(axis=2)
+            ds *= scores.cap_derivative
+        ds = xp.where(p != 0, ds, 0) * problem.scale
+        dq = _skip_zero_weights_matmul(xp, ds, k.astype(compute)[:, :, None])
+        dk = _skip_zero_weights_matmul(xp, ds.swapaxes(-1, -2), scores.grouped_q).sum(axis=2)
         return (
             _into_layout(xp, _ungroup(dq, problem), q.dtype, problem.layout),
             _into_layout(xp, dk, k.dtype, problem.layout),
@@ -88,8 +93,9 @@ class _Scores:
     ----------
     grouped_q : array
         q in the compute dtype, ``(B, Hkv, G, Sq, D)``.
-    capped : array
-        ``scale * q @ k.T`` after softcap, before any mask (the softcap derivative needs it).
+    cap_derivative : array or None
+        With softcap, d(capped)/d(raw) = sech^2(raw / softcap), computed as 4u / (1 + u)^2 with
+        u = exp(-2|raw / softcap|): accurate where tanh saturates (1 - tanh^2 would cancel to 0).
     masked : array
         ``capped`` plus the float mask, -inf wherever a key is not visible.
     """
@@ -101,9 +107,11 @@ class _Scores:
         self.xp = xp
         self.grouped_q = _group(q.astype(compute), problem)
         scores = (self.grouped_q @ k.astype(compute)[:, :, None].swapaxes(-1, -2)) * problem.scale
+        self.cap_derivative = None
         if problem.softcap is not None:
+            u = xp.exp(-2 * xp.abs(scores / problem.softcap))
+            self.cap_derivative = 4 * u / (1 + u) ** 2
             scores = problem.softcap * xp.tanh(scores / problem.softcap)
-        self.capped = scores
         visible = _visibility(problem, xp, extras.key_lengths)
         if problem.mask == "float":
             scores = scores + _group_mask(extras.mask, problem).astype(compute)
@@ -115,12 +123,58 @@ class _Scores:
         self.masked = scores
 
     def softmax_parts(self) -> tuple[Any, Any, Any]:
-        """Return unnormalised probabilities, the row maxima (0 for empty rows) and row sums."""
+        """Return unnormalised probabilities, the shifts and the row sums.
+
+        The shift is the row maximum (NaN if a score is NaN), or 0 for a row whose every score
+        is -inf, so that such a row sums to exactly 0.
+        """
         xp = self.xp
         row_max = self.masked.max(axis=-1)
-        row_max = xp.where(xp.isfinite(row_max), row_max, 0)
-        p = xp.exp(self.masked - row_max[..., None])
-        return p, row_max, p.sum(axis=-1)
+        shift = xp.where(row_max == -xp.inf, 0, row_max)
+        p = _probabilities(xp, self.masked, shift)
+        return p, shift, p.sum(axis=-1)
+
+
+def _probabilities(xp: ModuleType, masked: Any, shift: Any) -> Any:
+    """``exp(masked - shift)``, exactly 0 at hidden keys (-inf) even when the shift is NaN, and
+    with float32 results below the smallest normal float flushed to 0 like the kernels' exp."""
+    result = xp.exp(masked - shift[..., None])
+    hidden = masked == -xp.inf
+    if result.dtype == xp.float32:
+        hidden |= result < xp.finfo(xp.float32).tiny
+    return xp.where(hidden, 0, result)
+
+
+_SKIP_CHUNK = 64  # non-finite keys handled per step, bounding the (..., M, chunk, N) products
+
+
+def _skip_zero_weights_matmul(xp: ModuleType, weights: Any, values: Any) -> Any:
+    """``weights @ values`` in which a product with a weight of exactly 0 counts 0, whatever the value.
+
+    Plain matmul makes ``0 * inf`` and ``0 * nan`` NaN, so a hidden key holding a NaN would poison
+    rows that cannot see it.  Keys whose value rows are all finite go through one matmul; the
+    others (rare: only non-finite inputs have them) are summed product by product with the
+    zero-weight products dropped.
+
+    Parameters
+    ----------
+    weights : array (..., M, K)
+    values : array (..., K, N), broadcastable with ``weights`` over the leading axes.
+    """
+    finite_key = xp.isfinite(values).all(axis=-1)
+    while finite_key.ndim > 1:
+        finite_key = finite_key.all(axis=0)
+    if bool(finite_key.all()):
+        return weights @ values
+    clean = xp.nonzero(finite_key)[0]
+    result = weights[..., clean] @ values[..., clean, :]
+    dirty = xp.nonzero(~finite_key)[0]
+    for start in range(0, int(dirty.shape[0]), _SKIP_CHUNK):
+        keys = dirty[start : start + _SKIP_CHUNK]
+        w = weights[..., keys][..., None]
+        x = values[..., keys, :][..., None, :, :]
+        result = result + xp.where(w != 0, w * x, 0).sum(axis=-2)
+    return result
 
 
 def _visibility(problem: AttentionProblem, xp: ModuleType, key_lengths: Any) -> Any:

@@ -144,7 +144,9 @@ def backward(dout, q, k, v, options: Options, out=None) -> Gradients:
                 grad_scores = probabilities * (grad_p - correction)
                 grad_scores_size = probabilities * (np.abs(v[b, kv]) @ np.abs(grad_out) + abs(correction))
                 if options.softcap is not None:
-                    derivative = 1.0 - np.tanh(raw / options.softcap) ** 2
+                    # sech^2 from exp(-2|x|): 1 - tanh^2 cancels to nothing once tanh rounds to 1.
+                    u = np.exp(-2.0 * np.abs(raw / options.softcap))
+                    derivative = 4.0 * u / (1.0 + u) ** 2
                     grad_scores, grad_scores_size = grad_scores * derivative, grad_scores_size * derivative
                 for values, row_grad in ((grads, grad_scores * scale), (sizes, grad_scores_size * abs(scale))):
                     absolute = values is sizes

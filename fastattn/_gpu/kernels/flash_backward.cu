@@ -46,8 +46,11 @@
 // float32 dQ accumulator takes 128 registers a thread; 32 keys spilled on sm_90).
 //
 // Rows that see no key (lse = -inf) and padding keys (>= key_lengths) get exactly zero gradients:
-// P is exactly 0 for them, hidden K/V rows are zero-filled (no 0 * NaN), and blocks no query
-// can see still write their zero dK/dV.
+// P is exactly 0 for them, dS is set to exactly 0 wherever P is 0 (so a NaN or inf in dO V^T at a
+// hidden key does not leak in), K/V rows past key_lengths are zero-filled, and blocks no query can
+// see still write their zero dK/dV.  Not done (as in the tensor-core forward): skipping the
+// zero-weight products inside the mma tiles, so a NaN/inf in K, V, Q or dO at a hidden position of
+// a loaded tile still reaches the rows of that tile (README "NaN and infinity").
 #include "flash_common.cuh"
 
 namespace fastattn_gpu {
@@ -81,7 +84,7 @@ flash_backward_prepare(const Elem* __restrict__ dout, const Elem* __restrict__ o
         const Elem* de = reinterpret_cast<const Elem*>(&d);
         const Elem* oe = reinterpret_cast<const Elem*>(&o);
 #pragma unroll
-        for (int e = 0; e < 8; ++e) sum += Pack<Elem>::to_float(de[e]) * Pack<Elem>::to_float(oe[e]);
+        for (int e = 0; e < 8; ++e) sum += Convert<Elem>::to_float(de[e]) * Convert<Elem>::to_float(oe[e]);
         if (dq_accum) {
             float4* dst = reinterpret_cast<float4*>(dq_accum + row * HEAD_DIM + chunk * 8);
             dst[0] = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -141,9 +144,10 @@ flash_backward_kv(const Elem* __restrict__ q, const Elem* __restrict__ k, const 
     const int key_warp = warp / kDimWarps, dim_warp = warp % kDimWarps;
     const int n0 = blockIdx.x * kBlockN, kvh = blockIdx.y, b = blockIdx.z;
     const int heads_q = gridDim.y * group;
-    const ScoreRule rule{seq_q, causal, offset, window_left, window_right, scale, softcap,
-                         mask, mask_kind, m_sb, m_sh, m_sq, m_sk};
-    const int key_end = key_lengths ? static_cast<int>(key_lengths[b]) : seq_k;
+    const ScoreRule rule{{causal, offset, window_left, window_right, mask, mask_kind, m_sb, m_sh, m_sq, m_sk,
+                          key_lengths},
+                         seq_q, scale, softcap};
+    const int key_end = rule.key_end(b, seq_k);
 
     // Query tiles of each head that can see a key of this block; items = (head of the group, tile).
     int m_lo = 0, m_hi = 0;
@@ -237,7 +241,7 @@ flash_backward_kv(const Elem* __restrict__ q, const Elem* __restrict__ k, const 
                                                     n0 + key_row + group_id + (e / 2) * 8, key_end, &slope);
                 const float prob = exp2f(score - lse_tile[column]);
                 s[nb][e] = prob;
-                dp[nb][e] = prob * (dp[nb][e] - delta_tile[column]) * slope * scale;
+                dp[nb][e] = prob != 0.f ? prob * (dp[nb][e] - delta_tile[column]) * slope * scale : 0.f;
             }
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
@@ -367,11 +371,11 @@ flash_backward_dq(const Elem* __restrict__ q, const Elem* __restrict__ k, const 
     const int m0 = blockIdx.x * kDqBlockM, h = blockIdx.y, b = blockIdx.z, kvh = h / group;
     const Elem* k_base = k + b * k_sb + kvh * k_sh;
     const Elem* v_base = v + b * v_sb + kvh * v_sh;
-    const ScoreRule rule{seq_q, causal, offset, window_left, window_right, scale, softcap,
-                         mask, mask_kind, m_sb, m_sh, m_sq, m_sk};
+    const ScoreRule rule{{causal, offset, window_left, window_right, mask, mask_kind, m_sb, m_sh, m_sq, m_sk,
+                          key_lengths},
+                         seq_q, scale, softcap};
     int lo, hi;
-    rule.key_range(m0, min(m0 + kDqBlockM, seq_q) - 1, key_lengths ? static_cast<int>(key_lengths[b]) : seq_k,
-                   &lo, &hi);
+    rule.rules.key_range(b, seq_k, m0, min(m0 + kDqBlockM, seq_q) - 1, &lo, &hi);
     lo = max(lo, 0) / BLOCK_N * BLOCK_N;
 
     load_tile<Elem, HEAD_DIM, kDqBlockM, kThreads>(q_tile, q + b * q_sb + h * q_sh, q_ss, m0, seq_q);
@@ -447,7 +451,8 @@ flash_backward_dq(const Elem* __restrict__ q, const Elem* __restrict__ k, const 
                 float slope;
                 const float score = rule.log2_score(s[nb][e], b, h, rows[e / 2], kt + nb * 8 + pair + (e % 2), hi,
                                                     &slope);
-                grad[e] = exp2f(score - row_lse2[e / 2]) * (dp[nb][e] - row_delta[e / 2]) * slope * scale;
+                const float prob = exp2f(score - row_lse2[e / 2]);
+                grad[e] = prob != 0.f ? prob * (dp[nb][e] - row_delta[e / 2]) * slope * scale : 0.f;
             }
             a_ds[nb / 2][(nb % 2) * 2 + 0] = Pack<Elem>::two(grad[0], grad[1]);
             a_ds[nb / 2][(nb % 2) * 2 + 1] = Pack<Elem>::two(grad[2], grad[3]);

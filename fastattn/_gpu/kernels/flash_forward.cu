@@ -52,11 +52,12 @@ flash_forward(const Elem* __restrict__ q, const Elem* __restrict__ k, const Elem
     const Elem* k_base = k + b * k_sb + kvh * k_sh;
     const Elem* v_base = v + b * v_sb + kvh * v_sh;
 
-    const ScoreRule rule{seq_q, causal, offset, window_left, window_right, scale, softcap,
-                         mask, mask_kind, m_sb, m_sh, m_sq, m_sk};
+    const ScoreRule rule{{causal, offset, window_left, window_right, mask, mask_kind, m_sb, m_sh, m_sq, m_sk,
+                          key_lengths},
+                         seq_q, scale, softcap};
     // Keys any row of this block can see.
     int lo, hi;
-    rule.key_range(m0, min(m0 + kBlockM, seq_q) - 1, key_lengths ? static_cast<int>(key_lengths[b]) : seq_k, &lo, &hi);
+    rule.rules.key_range(b, seq_k, m0, min(m0 + kBlockM, seq_q) - 1, &lo, &hi);
     lo = max(lo, 0) / BLOCK_N * BLOCK_N;
 
     load_tile<Elem, HEAD_DIM, kBlockM, kWarps * 32>(q_tile, q_base, q_ss, m0, seq_q);
@@ -174,8 +175,8 @@ flash_forward(const Elem* __restrict__ q, const Elem* __restrict__ k, const Elem
         Elem* dst = out + b * o_sb + h * o_sh + row * o_ss;
 #pragma unroll
         for (int nb = 0; nb < kOutBlocks; ++nb) {
-            dst[nb * 8 + pair] = Pack<Elem>::from_float(acc[nb][r * 2] * inverse);
-            dst[nb * 8 + pair + 1] = Pack<Elem>::from_float(acc[nb][r * 2 + 1] * inverse);
+            dst[nb * 8 + pair] = Convert<Elem>::from_float(acc[nb][r * 2] * inverse);
+            dst[nb * 8 + pair + 1] = Convert<Elem>::from_float(acc[nb][r * 2 + 1] * inverse);
         }
         if ((lane % 4) == 0)
             lse[b * lse_sb + h * lse_sh + row] = total > 0.f ? (row_max[r] + log2f(total)) * 0.6931471805599453f : negative_infinity();

@@ -1,0 +1,138 @@
+"""Launcher of the split-KV decode kernel and its combine kernel (``kernels/flash_decode.cu``).
+
+The cuda backend sends a forward here when :func:`eligible` holds (``Sq <= 16``, the KV-cache
+step).  One block handles (key split, kv head, chunk of packed GQA rows, batch row); with more
+than one split the partial results (float32, normalised, plus a partial lse each) are merged by
+``decode_combine``.
+
+Split count (:func:`plan`): enough blocks to fill the device, never splits so short that the
+per-block prologue (loading the packed queries, the first tile) outweighs the streaming::
+
+    items  = B * Hkv * ceil(group * Sq / rows)         # blocks without splitting
+    splits = min(ceil(BLOCKS_PER_SM * SMs / items),    # about BLOCKS_PER_SM resident blocks per SM
+                 ceil(Sk / MIN_KEYS_PER_SPLIT))        # each split streams >= 256 keys
+
+then rounded so that every split but the last holds a whole number of key tiles.  G7 on an H100
+(132 SMs): items = 256, splits = 3.  ``key_lengths`` are not read on the host (no device sync):
+splits past a row's length exit after writing lse = -inf.  These constants are starting points
+that the G7 benchmark on a GPU has to confirm (issue #13).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from .._problem import AttentionExtras, AttentionProblem
+from . import _launch
+
+SOURCE = "flash_decode.cu"
+HEAD_DIMS = (32, 64, 128, 256)
+MAX_QUERIES = 16
+THREADS = 128
+BLOCKS_PER_SM = 4
+MIN_KEYS_PER_SPLIT = 256
+_ELEMENTS = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float"}
+_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
+
+
+def eligible(problem: AttentionProblem) -> bool:
+    """Whether the decode kernel runs this forward (the cuda backend's dispatch).
+
+    Sq <= 16, float16/bfloat16/float32, D == Dv in ``HEAD_DIMS``, K and V rows 16-byte aligned, and
+    a mask the kernels read.
+    """
+    if problem.direction != "forward" or problem.seq_q > MAX_QUERIES or problem.dtype not in _ELEMENTS:
+        return False
+    if problem.head_dim not in HEAD_DIMS or problem.head_dim_v != problem.head_dim:
+        return False
+    vector = 16 // _ITEMSIZE[problem.dtype]
+    if any(stride % vector for stride in (*problem.k_strides[:3], *problem.v_strides[:3])):
+        return False
+    return problem.mask != "float" or problem.mask_dtype in _launch.MASK_KINDS
+
+
+def aligned(*arrays: Any) -> bool:
+    """Whether every array starts on a 16-byte boundary (the kernel's cp.async copies need it)."""
+    return all(array.data.ptr % 16 == 0 for array in arrays)
+
+
+def rows_per_block(problem: AttentionProblem) -> int:
+    """Packed query rows per block: 4 when the group's rows fit, else 8 (bigger packs are chunked)."""
+    return 4 if problem.group_size * problem.seq_q <= 4 else 8
+
+
+def block_keys(dtype: str, head_dim: int) -> int:
+    """Keys per shared-memory tile: 64, or 32 when a K row is over 256 bytes (mirrors the kernel)."""
+    return 64 if head_dim * _ITEMSIZE[dtype] <= 256 else 32
+
+
+def shared_bytes(dtype: str, head_dim: int, rows: int) -> int:
+    """Dynamic shared memory: queries, scores, row statistics, then K/V stages or the final reduction."""
+    itemsize, keys = _ITEMSIZE[dtype], block_keys(dtype, head_dim)
+    vector = 16 // itemsize
+    tiles = 4 * keys * (head_dim + vector) * itemsize
+    reduction = THREADS * rows * vector * 4  # key groups x rows x head_dim floats
+    return 4 * (rows * head_dim + rows * keys + 3 * rows) + max(tiles, reduction)
+
+
+def plan(problem: AttentionProblem, multiprocessors: int) -> tuple[int, int]:
+    """Return ``(splits, keys_per_split)`` for a decode problem (see the module docstring)."""
+    rows = rows_per_block(problem)
+    items = problem.batch * problem.heads_kv * math.ceil(problem.group_size * problem.seq_q / rows)
+    wanted = min(
+        math.ceil(BLOCKS_PER_SM * multiprocessors / items), math.ceil(problem.seq_k / MIN_KEYS_PER_SPLIT)
+    )
+    tile = block_keys(problem.dtype, problem.head_dim)
+    per_split = math.ceil(math.ceil(problem.seq_k / max(1, wanted)) / tile) * tile
+    return math.ceil(problem.seq_k / per_split), per_split
+
+
+def forward(problem: AttentionProblem, q: Any, k: Any, v: Any, out: Any, lse: Any, extras: AttentionExtras) -> None:
+    """Launch the decode on (B, H, S, D)-ordered CuPy arrays, writing ``out`` and ``lse``.
+
+    Parameters
+    ----------
+    q, k, v : cupy.ndarray
+        ``(B, Hq, Sq, D)``, ``(B, Hkv, Sk, D)``, ``(B, Hkv, Sk, D)`` in the problem's dtype.
+    out : cupy.ndarray
+        ``(B, Hq, Sq, D)``, q's dtype, written.
+    lse : cupy.ndarray
+        ``(B, Hq, Sq)`` float32 with a contiguous last axis, written (natural log).
+    """
+    import cupy
+
+    rows = rows_per_block(problem)
+    splits, per_split = plan(problem, _launch.multiprocessors())
+    query_rows = problem.batch * problem.heads_q * problem.seq_q
+    null = np.uint64(0)
+    partial_out = cupy.empty((splits, query_rows, problem.head_dim), dtype=cupy.float32) if splits > 1 else null
+    partial_lse = cupy.empty((splits, query_rows), dtype=cupy.float32) if splits > 1 else null
+    arguments = [
+        q, k, v, out, lse, partial_out, partial_lse,
+        *_launch.strides3(q), *_launch.strides3(k), *_launch.strides3(v), *_launch.strides3(out),
+        *_launch.strides2(lse),
+        np.int32(problem.batch), np.int32(problem.heads_q), np.int32(problem.seq_q), np.int32(problem.seq_k),
+        np.int32(problem.group_size), np.int32(per_split),
+        np.float32(problem.scale), np.float32(problem.softcap or 0.0),
+        *_launch.rule_arguments(problem, extras),
+    ]  # fmt: skip
+    element = _ELEMENTS[problem.dtype]
+    shared = shared_bytes(problem.dtype, problem.head_dim, rows)
+    name = f"fastattn_gpu::flash_decode<{element}, {problem.head_dim}, {rows}>"
+    chunks = math.ceil(problem.group_size * problem.seq_q / rows)
+    with _launch.stream(problem.framework):
+        _launch.compiled(SOURCE, name, shared)(
+            (splits, problem.heads_kv * chunks, problem.batch), (THREADS,), tuple(arguments), shared_mem=shared
+        )
+        if splits > 1:
+            combine = [
+                partial_out, partial_lse, out, lse, *_launch.strides3(out), *_launch.strides2(lse),
+                np.int32(problem.heads_q), np.int32(problem.seq_q), np.int32(problem.head_dim), np.int32(splits),
+                np.int64(query_rows),
+            ]  # fmt: skip
+            _launch.compiled(SOURCE, f"fastattn_gpu::decode_combine<{element}>", 0)(
+                (query_rows,), (THREADS,), tuple(combine)
+            )

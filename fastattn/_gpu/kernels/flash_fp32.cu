@@ -1,0 +1,401 @@
+// Exact float32 flash attention, forward and backward, on the CUDA cores (SIMT, no TF32).
+//
+// STATUS: compiled by nvcc for sm_80 and sm_90; it has NOT yet run on a GPU (issue #13 owes the
+// device tests, compute-sanitizer and the fp32 G1-G6 benchmark).
+//
+// Every product is a float32 FMA and exp/log/tanh are the accurate expf/logf/tanhf, so results
+// match float64 to float32 rounding (the contract's 1e-5).  One head-dimension bucket DMAX in
+// {32, 64, 128, 256} covers both D and Dv (runtime sizes <= DMAX; shared tiles are zero-padded to
+// DMAX, so any head_dim works).  Global loads are scalar, coalesced along the contiguous last axis,
+// so any element strides work.
+//
+// Thread layout: 256 threads as 16 x 16 (ty, tx).  Every tile product C[R][C] += A[R][K] B[K][C]
+// is done by `tile_mac`: thread (ty, tx) owns rows ty + 16 i and columns tx + 16 j (interleaved,
+// so the 16 threads of a half-warp read 16 consecutive words of a row, or 16 rows of an odd-strided
+// tile: conflict-free either way).  Shared tiles have odd row strides (DMAX + 1, BLOCK + 1).  A row
+// of a score tile lives in one half-warp, so row max/sum are 4 shuffles.
+//
+// Forward (FlashAttention-2): one block per (64 query rows, query head, batch row); key tiles of
+// BN = 64 keys (32 for DMAX 256, to stay within the 163 KiB an A100 block may use); S = Q K^T,
+// online softmax in natural units, P through shared memory, O += P V; tiles outside the rows'
+// visible key range (causal, window, key_lengths) are never loaded.
+// Backward: (1) `fp32_delta`: delta = rowsum(dO * O), one warp per row.  (2) `fp32_backward_kv`: one
+// block per (BN keys, kv head, batch row) looping over the GQA group's query heads and 32-row query
+// blocks, recomputing P = exp(S - lse), dV += P^T dO, dS = P (dO V^T - delta) (softcap derivative,
+// scale), dK += dS^T Q; dK/dV stay in registers and are summed over the group in a fixed order.
+// Non-finite inputs follow the reference: a weight (probability or dS) of exactly 0, including exp
+// results below the smallest normal float, contributes 0 even against an inf/NaN operand.
+// (3) `fp32_backward_q`: one block per (query rows, query head, batch row) looping over 32-key
+// tiles, recomputing P and dS, dQ += dS K.  dQ by a second pass instead of float32 atomics:
+// deterministic at the cost of recomputing S and dP (the choice the CPU backend made too).
+#include "decode_common.cuh"
+
+namespace fastattn_gpu {
+
+constexpr int kFp32Threads = 256;
+
+// acc[TM][TN] += sum_{k < count} A(ty + 16 i, k) * B(k, tx + 16 j), with A(i, k) = a[i * a_row + k * a_k]
+// and B(k, j) = b[k * b_k + j * b_col] in shared memory.  WEIGHTS: A holds probabilities or dS,
+// and a product with a weight of exactly 0 counts 0 whatever B holds (inf/NaN semantics).
+template <bool WEIGHTS, int TM, int TN>
+__device__ __forceinline__ void tile_mac(float (&acc)[TM][TN], const float* a, int a_row, int a_k, const float* b,
+                                         int b_k, int b_col, int count) {
+    const int ty = threadIdx.x / 16, tx = threadIdx.x % 16;
+    const float* a_base = a + ty * a_row;
+    const float* b_base = b + tx * b_col;
+#pragma unroll 4
+    for (int kk = 0; kk < count; ++kk) {
+        float a_values[TM], b_values[TN];
+#pragma unroll
+        for (int i = 0; i < TM; ++i) a_values[i] = a_base[16 * i * a_row + kk * a_k];
+#pragma unroll
+        for (int j = 0; j < TN; ++j) b_values[j] = b_base[kk * b_k + 16 * j * b_col];
+#pragma unroll
+        for (int i = 0; i < TM; ++i)
+#pragma unroll
+            for (int j = 0; j < TN; ++j)
+                acc[i][j] = WEIGHTS ? weighted_add(a_values[i], b_values[j], acc[i][j])
+                                    : fmaf(a_values[i], b_values[j], acc[i][j]);
+    }
+}
+
+template <int TM, int TN> __device__ __forceinline__ void tile_zero(float (&acc)[TM][TN]) {
+#pragma unroll
+    for (int i = 0; i < TM; ++i)
+#pragma unroll
+        for (int j = 0; j < TN; ++j) acc[i][j] = 0.f;
+}
+
+// Rows [first, first + rows) x columns [0, width) of a (S, D) slice into a tile with row stride
+// `stride`; rows >= limit and columns in [cols, width) are zero.
+__device__ __forceinline__ void load_rows(float* tile, int stride, const float* base, long long row_stride, int first,
+                                          int rows, int limit, int cols, int width) {
+    for (int index = threadIdx.x; index < rows * width; index += kFp32Threads) {
+        const int row = index / width, col = index % width;
+        tile[row * stride + col] = first + row < limit && col < cols ? base[(first + row) * row_stride + col] : 0.f;
+    }
+}
+
+// Max then sum over the 16 threads of a half-warp (one tile row).
+__device__ __forceinline__ float row_max16(float x) {
+#pragma unroll
+    for (int step = 8; step > 0; step /= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, step));
+    return x;
+}
+__device__ __forceinline__ float row_sum16(float x) {
+#pragma unroll
+    for (int step = 8; step > 0; step /= 2) x += __shfl_xor_sync(0xffffffff, x, step);
+    return x;
+}
+
+template <int DMAX> struct Fp32Shape {
+    static constexpr int kStride = DMAX + 1;
+    static constexpr int kForwardM = 64;
+    static constexpr int kForwardN = DMAX <= 128 ? 64 : 32;
+    static constexpr int kKvN = DMAX <= 128 ? 64 : 32;  // keys per backward_kv block
+    static constexpr int kKvM = 32;                     // query rows per backward_kv step
+    static constexpr int kQM = DMAX <= 128 ? 64 : 32;   // query rows per backward_q block
+    static constexpr int kQN = 32;                      // keys per backward_q step
+};
+
+#define FASTATTN_RULE_PARAMS                                                                                    \
+    int causal, int offset, int window_left, int window_right, const void *__restrict__ mask, int mask_kind,   \
+        long long m_sb, long long m_sh, long long m_sq, long long m_sk, const long long *__restrict__ key_lengths
+#define FASTATTN_RULES \
+    Visibility { causal, offset, window_left, window_right, mask, mask_kind, m_sb, m_sh, m_sq, m_sk, key_lengths }
+
+template <int DMAX>
+__global__ void __launch_bounds__(kFp32Threads)
+fp32_forward(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
+             float* __restrict__ out, float* __restrict__ lse, long long q_sb, long long q_sh, long long q_ss,
+             long long k_sb, long long k_sh, long long k_ss, long long v_sb, long long v_sh, long long v_ss,
+             long long o_sb, long long o_sh, long long o_ss, long long lse_sb, long long lse_sh, int seq_q, int seq_k,
+             int head_dim, int head_dim_v, int group, float scale, float softcap, FASTATTN_RULE_PARAMS) {
+    using Shape = Fp32Shape<DMAX>;
+    constexpr int BM = Shape::kForwardM, BN = Shape::kForwardN, S = Shape::kStride;
+    constexpr int TM = BM / 16, TN = BN / 16, TD = DMAX / 16;
+    extern __shared__ float fp32_shared[];
+    float* q_s = fp32_shared;        // [BM][S]
+    float* k_s = q_s + BM * S;       // [BN][S]
+    float* v_s = k_s + BN * S;       // [BN][S]
+    float* p_s = v_s + BN * S;       // [BM][BN + 1]
+
+    const int m0 = blockIdx.x * BM, h = blockIdx.y, b = blockIdx.z, kvh = h / group;
+    const int ty = threadIdx.x / 16, tx = threadIdx.x % 16;
+    const Visibility rules = FASTATTN_RULES;
+    int lo, hi;
+    rules.key_range(b, seq_k, m0, min(m0 + BM, seq_q) - 1, &lo, &hi);
+    const float* k_base = k + b * k_sb + kvh * k_sh;
+    const float* v_base = v + b * v_sb + kvh * v_sh;
+    load_rows(q_s, S, q + b * q_sb + h * q_sh, q_ss, m0, BM, seq_q, head_dim, DMAX);
+
+    float row_max[TM], row_sum[TM], acc[TM][TD];
+#pragma unroll
+    for (int i = 0; i < TM; ++i) row_max[i] = negative_infinity(), row_sum[i] = 0.f;
+    tile_zero(acc);
+
+    for (int kt = lo; kt < hi; kt += BN) {
+        __syncthreads();  // the previous tile's P V is done with k_s, v_s and p_s
+        load_rows(k_s, S, k_base, k_ss, kt, BN, hi, head_dim, DMAX);
+        load_rows(v_s, S, v_base, v_ss, kt, BN, hi, head_dim_v, DMAX);
+        __syncthreads();
+        float s[TM][TN];
+        tile_zero(s);
+        tile_mac<false>(s, q_s, S, 1, k_s, 1, S, head_dim);
+#pragma unroll
+        for (int i = 0; i < TM; ++i) {
+            const int row = m0 + ty + 16 * i;
+            float tile_max = negative_infinity();
+#pragma unroll
+            for (int j = 0; j < TN; ++j) {
+                const int key = kt + tx + 16 * j;
+                s[i][j] = row < seq_q && key < hi ? rules.apply(soft_cap(s[i][j] * scale, softcap), b, h, row, key)
+                                                  : negative_infinity();
+                tile_max = fmaxf(tile_max, s[i][j]);
+            }
+            const float new_max = fmaxf(row_max[i], row_max16(tile_max));
+            const float shift = new_max == negative_infinity() ? 0.f : new_max;
+            const float alpha = flush_tiny(expf(row_max[i] - shift));
+            float tile_sum = 0.f;
+#pragma unroll
+            for (int j = 0; j < TN; ++j) {
+                const float prob = flush_tiny(expf(s[i][j] - shift));
+                p_s[(ty + 16 * i) * (BN + 1) + tx + 16 * j] = prob;
+                tile_sum += prob;
+            }
+            row_max[i] = new_max;
+            row_sum[i] = row_sum[i] * alpha + row_sum16(tile_sum);
+#pragma unroll
+            for (int d = 0; d < TD; ++d) acc[i][d] = weighted_add(alpha, acc[i][d], 0.f);
+        }
+        __syncthreads();
+        tile_mac<true>(acc, p_s, BN + 1, 1, v_s, S, 1, BN);
+    }
+
+#pragma unroll
+    for (int i = 0; i < TM; ++i) {
+        const int row = m0 + ty + 16 * i;
+        if (row >= seq_q) continue;
+        const float inverse = row_sum[i] > 0.f ? 1.f / row_sum[i] : 0.f;
+        float* dst = out + b * o_sb + h * o_sh + row * o_ss;
+#pragma unroll
+        for (int d = 0; d < TD; ++d)
+            if (tx + 16 * d < head_dim_v) dst[tx + 16 * d] = acc[i][d] * inverse;
+        if (tx == 0)
+            lse[b * lse_sb + h * lse_sh + row] = row_sum[i] > 0.f ? row_max[i] + logf(row_sum[i]) : negative_infinity();
+    }
+}
+
+// delta[b, h, i] = sum_d dO[b, h, i, d] * O[b, h, i, d]; one warp per row, delta contiguous (B, Hq, Sq).
+__global__ void __launch_bounds__(kFp32Threads)
+fp32_delta(const float* __restrict__ dout, const float* __restrict__ out, float* __restrict__ delta, long long do_sb,
+           long long do_sh, long long do_ss, long long o_sb, long long o_sh, long long o_ss, int heads_q, int seq_q,
+           int head_dim_v, long long rows) {
+    const long long row = static_cast<long long>(blockIdx.x) * (kFp32Threads / 32) + threadIdx.x / 32;
+    if (row >= rows) return;
+    const int lane = threadIdx.x % 32;
+    const long long i = row % seq_q, h = (row / seq_q) % heads_q, b = row / (static_cast<long long>(seq_q) * heads_q);
+    const float* dout_row = dout + b * do_sb + h * do_sh + i * do_ss;
+    const float* out_row = out + b * o_sb + h * o_sh + i * o_ss;
+    float sum = 0.f;
+    for (int d = lane; d < head_dim_v; d += 32) sum = fmaf(dout_row[d], out_row[d], sum);
+#pragma unroll
+    for (int step = 16; step > 0; step /= 2) sum += __shfl_xor_sync(0xffffffff, sum, step);
+    if (lane == 0) delta[row] = sum;
+}
+
+// P and dS of one (query, key) pair from the raw score s = q.k, dp = dO.v, the row's lse and delta.
+struct Gradient {
+    float p, ds;
+};
+__device__ __forceinline__ Gradient score_gradient(const Visibility& rules, float raw, float dp, float row_lse,
+                                                   float row_delta, float scale, float softcap, bool inside, int b,
+                                                   int h, int row, int key) {
+    if (!inside || row_lse == negative_infinity()) return {0.f, 0.f};
+    const float capped = soft_cap(raw * scale, softcap);
+    const float score = rules.apply(capped, b, h, row, key);
+    if (score == negative_infinity()) return {0.f, 0.f};
+    const float p = flush_tiny(expf(score - row_lse));
+    if (p == 0.f) return {0.f, 0.f};
+    const float ratio = softcap > 0.f ? capped / softcap : 0.f;
+    return {p, p * (dp - row_delta) * (1.f - ratio * ratio) * scale};
+}
+
+template <int DMAX>
+__global__ void __launch_bounds__(kFp32Threads)
+fp32_backward_kv(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
+                 const float* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
+                 float* __restrict__ dk, float* __restrict__ dv, long long q_sb, long long q_sh, long long q_ss,
+                 long long k_sb, long long k_sh, long long k_ss, long long v_sb, long long v_sh, long long v_ss,
+                 long long do_sb, long long do_sh, long long do_ss, long long lse_sb, long long lse_sh,
+                 long long dk_sb, long long dk_sh, long long dk_ss, long long dv_sb, long long dv_sh, long long dv_ss,
+                 int seq_q, int seq_k, int head_dim, int head_dim_v, int heads_q, int group, float scale,
+                 float softcap, FASTATTN_RULE_PARAMS) {
+    using Shape = Fp32Shape<DMAX>;
+    constexpr int BN = Shape::kKvN, BM = Shape::kKvM, S = Shape::kStride, SP = BM + 1;
+    constexpr int TN = BN / 16, TM = BM / 16, TD = DMAX / 16;
+    extern __shared__ float fp32_shared[];
+    float* k_s = fp32_shared;       // [BN][S]
+    float* v_s = k_s + BN * S;      // [BN][S]
+    float* q_s = v_s + BN * S;      // [BM][S]
+    float* do_s = q_s + BM * S;     // [BM][S]
+    float* p_s = do_s + BM * S;     // [BN][SP]  P^T
+    float* ds_s = p_s + BN * SP;    // [BN][SP]  dS^T
+    float* lse_s = ds_s + BN * SP;  // [BM]
+    float* delta_s = lse_s + BM;    // [BM]
+
+    const int n0 = blockIdx.x * BN, kvh = blockIdx.y, b = blockIdx.z;
+    const int ty = threadIdx.x / 16, tx = threadIdx.x % 16;
+    const Visibility rules = FASTATTN_RULES;
+    const int key_limit = key_lengths ? static_cast<int>(min(key_lengths[b], static_cast<long long>(seq_k))) : seq_k;
+    load_rows(k_s, S, k + b * k_sb + kvh * k_sh, k_ss, n0, BN, key_limit, head_dim, DMAX);
+    load_rows(v_s, S, v + b * v_sb + kvh * v_sh, v_ss, n0, BN, key_limit, head_dim_v, DMAX);
+
+    float dk_acc[TN][TD], dv_acc[TN][TD];
+    tile_zero(dk_acc);
+    tile_zero(dv_acc);
+    for (int g = 0; g < group; ++g) {
+        const int h = kvh * group + g;
+        for (int m0 = 0; m0 < seq_q; m0 += BM) {
+            int lo, hi;
+            rules.key_range(b, seq_k, m0, min(m0 + BM, seq_q) - 1, &lo, &hi);
+            if (max(lo, n0) >= min(hi, n0 + BN)) continue;  // no row of this block sees these keys
+            __syncthreads();  // the previous step is done with q_s, do_s, p_s, ds_s
+            load_rows(q_s, S, q + b * q_sb + h * q_sh, q_ss, m0, BM, seq_q, head_dim, DMAX);
+            load_rows(do_s, S, dout + b * do_sb + h * do_sh, do_ss, m0, BM, seq_q, head_dim_v, DMAX);
+            for (int r = threadIdx.x; r < BM; r += kFp32Threads) {
+                const bool inside = m0 + r < seq_q;
+                lse_s[r] = inside ? lse[b * lse_sb + h * lse_sh + m0 + r] : negative_infinity();
+                delta_s[r] = inside ? delta[(static_cast<long long>(b) * heads_q + h) * seq_q + m0 + r] : 0.f;
+            }
+            __syncthreads();
+            float s[TN][TM], dp[TN][TM];
+            tile_zero(s);
+            tile_zero(dp);
+            tile_mac<false>(s, k_s, S, 1, q_s, 1, S, head_dim);      // S^T[n][m] = K[n] . Q[m]
+            tile_mac<false>(dp, v_s, S, 1, do_s, 1, S, head_dim_v);  // dP^T[n][m] = V[n] . dO[m]
+#pragma unroll
+            for (int i = 0; i < TN; ++i) {
+                const int key = n0 + ty + 16 * i;
+#pragma unroll
+                for (int j = 0; j < TM; ++j) {
+                    const int local = tx + 16 * j, row = m0 + local;
+                    const Gradient grad = score_gradient(rules, s[i][j], dp[i][j], lse_s[local], delta_s[local], scale,
+                                                         softcap, row < seq_q && key < key_limit, b, h, row, key);
+                    p_s[(ty + 16 * i) * SP + local] = grad.p;
+                    ds_s[(ty + 16 * i) * SP + local] = grad.ds;
+                }
+            }
+            __syncthreads();
+            tile_mac<true>(dv_acc, p_s, SP, 1, do_s, S, 1, BM);   // dV[n] += sum_m P^T[n][m] dO[m]
+            tile_mac<true>(dk_acc, ds_s, SP, 1, q_s, S, 1, BM);   // dK[n] += sum_m dS^T[n][m] Q[m]
+        }
+    }
+
+#pragma unroll
+    for (int i = 0; i < TN; ++i) {
+        const int key = n0 + ty + 16 * i;
+        if (key >= seq_k) continue;
+        float* dk_row = dk + b * dk_sb + kvh * dk_sh + key * dk_ss;
+        float* dv_row = dv + b * dv_sb + kvh * dv_sh + key * dv_ss;
+#pragma unroll
+        for (int d = 0; d < TD; ++d) {
+            if (tx + 16 * d < head_dim) dk_row[tx + 16 * d] = dk_acc[i][d];
+            if (tx + 16 * d < head_dim_v) dv_row[tx + 16 * d] = dv_acc[i][d];
+        }
+    }
+}
+
+template <int DMAX>
+__global__ void __launch_bounds__(kFp32Threads)
+fp32_backward_q(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
+                const float* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
+                float* __restrict__ dq, long long q_sb, long long q_sh, long long q_ss, long long k_sb, long long k_sh,
+                long long k_ss, long long v_sb, long long v_sh, long long v_ss, long long do_sb, long long do_sh,
+                long long do_ss, long long lse_sb, long long lse_sh, long long dq_sb, long long dq_sh,
+                long long dq_ss, int seq_q, int seq_k, int head_dim, int head_dim_v, int heads_q, int group,
+                float scale, float softcap, FASTATTN_RULE_PARAMS) {
+    using Shape = Fp32Shape<DMAX>;
+    constexpr int BM = Shape::kQM, BN = Shape::kQN, S = Shape::kStride, SD = BN + 1;
+    constexpr int TM = BM / 16, TN = BN / 16, TD = DMAX / 16;
+    extern __shared__ float fp32_shared[];
+    float* q_s = fp32_shared;       // [BM][S]
+    float* do_s = q_s + BM * S;     // [BM][S]
+    float* k_s = do_s + BM * S;     // [BN][S]
+    float* v_s = k_s + BN * S;      // [BN][S]
+    float* ds_s = v_s + BN * S;     // [BM][SD]
+    float* lse_s = ds_s + BM * SD;  // [BM]
+    float* delta_s = lse_s + BM;    // [BM]
+
+    const int m0 = blockIdx.x * BM, h = blockIdx.y, b = blockIdx.z, kvh = h / group;
+    const int ty = threadIdx.x / 16, tx = threadIdx.x % 16;
+    const Visibility rules = FASTATTN_RULES;
+    int lo, hi;
+    rules.key_range(b, seq_k, m0, min(m0 + BM, seq_q) - 1, &lo, &hi);
+    load_rows(q_s, S, q + b * q_sb + h * q_sh, q_ss, m0, BM, seq_q, head_dim, DMAX);
+    load_rows(do_s, S, dout + b * do_sb + h * do_sh, do_ss, m0, BM, seq_q, head_dim_v, DMAX);
+    for (int r = threadIdx.x; r < BM; r += kFp32Threads) {
+        const bool inside = m0 + r < seq_q;
+        lse_s[r] = inside ? lse[b * lse_sb + h * lse_sh + m0 + r] : negative_infinity();
+        delta_s[r] = inside ? delta[(static_cast<long long>(b) * heads_q + h) * seq_q + m0 + r] : 0.f;
+    }
+    const float* k_base = k + b * k_sb + kvh * k_sh;
+    const float* v_base = v + b * v_sb + kvh * v_sh;
+
+    float dq_acc[TM][TD];
+    tile_zero(dq_acc);
+    for (int kt = lo; kt < hi; kt += BN) {
+        __syncthreads();  // the previous step is done with k_s, v_s, ds_s
+        load_rows(k_s, S, k_base, k_ss, kt, BN, hi, head_dim, DMAX);
+        load_rows(v_s, S, v_base, v_ss, kt, BN, hi, head_dim_v, DMAX);
+        __syncthreads();
+        float s[TM][TN], dp[TM][TN];
+        tile_zero(s);
+        tile_zero(dp);
+        tile_mac<false>(s, q_s, S, 1, k_s, 1, S, head_dim);      // S[m][n] = Q[m] . K[n]
+        tile_mac<false>(dp, do_s, S, 1, v_s, 1, S, head_dim_v);  // dP[m][n] = dO[m] . V[n]
+#pragma unroll
+        for (int i = 0; i < TM; ++i) {
+            const int local = ty + 16 * i, row = m0 + local;
+#pragma unroll
+            for (int j = 0; j < TN; ++j) {
+                const int key = kt + tx + 16 * j;
+                ds_s[local * SD + tx + 16 * j] = score_gradient(rules, s[i][j], dp[i][j], lse_s[local], delta_s[local],
+                                                                scale, softcap, row < seq_q && key < hi, b, h, row, key)
+                                                     .ds;
+            }
+        }
+        __syncthreads();
+        tile_mac<true>(dq_acc, ds_s, SD, 1, k_s, S, 1, BN);  // dQ[m] += sum_n dS[m][n] K[n]
+    }
+
+#pragma unroll
+    for (int i = 0; i < TM; ++i) {
+        const int row = m0 + ty + 16 * i;
+        if (row >= seq_q) continue;
+        float* dq_row = dq + b * dq_sb + h * dq_sh + row * dq_ss;
+#pragma unroll
+        for (int d = 0; d < TD; ++d)
+            if (tx + 16 * d < head_dim) dq_row[tx + 16 * d] = dq_acc[i][d];
+    }
+}
+
+}  // namespace fastattn_gpu
+
+#ifdef FASTATTN_INSTANTIATE
+// nvcc compile check (CI): instantiate every configuration the launcher can request.
+#define FASTATTN_RULE_TYPES int, int, int, int, const void*, int, long long, long long, long long, long long, const long long*
+#define FASTATTN_L3 long long, long long, long long
+#define FASTATTN_FP32(D)                                                                                          \
+    template __global__ void fastattn_gpu::fp32_forward<D>(const float*, const float*, const float*, float*, float*, \
+        FASTATTN_L3, FASTATTN_L3, FASTATTN_L3, FASTATTN_L3, long long, long long, int, int, int, int, int, float, \
+        float, FASTATTN_RULE_TYPES);                                                                              \
+    template __global__ void fastattn_gpu::fp32_backward_kv<D>(const float*, const float*, const float*,          \
+        const float*, const float*, const float*, float*, float*, FASTATTN_L3, FASTATTN_L3, FASTATTN_L3,          \
+        FASTATTN_L3, long long, long long, FASTATTN_L3, FASTATTN_L3, int, int, int, int, int, int, float, float,  \
+        FASTATTN_RULE_TYPES);                                                                                     \
+    template __global__ void fastattn_gpu::fp32_backward_q<D>(const float*, const float*, const float*,           \
+        const float*, const float*, const float*, float*, FASTATTN_L3, FASTATTN_L3, FASTATTN_L3, FASTATTN_L3,     \
+        long long, long long, FASTATTN_L3, int, int, int, int, int, int, float, float, FASTATTN_RULE_TYPES);
+FASTATTN_FP32(32) FASTATTN_FP32(64) FASTATTN_FP32(128) FASTATTN_FP32(256)
+#endif

@@ -1,0 +1,99 @@
+"""NaN and infinity in the inputs: every backend propagates them exactly as the reference does.
+
+The reference defines the behaviour (README, "NaN and infinity"): IEEE arithmetic on the shifted
+softmax, a product whose weight is exactly 0 counting 0 (so a key a row cannot see never reaches
+it, whatever it holds), a NaN score making its whole row NaN.  Here random problems get a few
+NaN/±inf entries in q, k, v, the float mask or dout, and each backend must put NaN, +inf and -inf
+in exactly the reference's places, with the finite entries matching it.  Nothing may crash or hang.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import fastattn
+
+from ._cases import Case, bhsd_float64, cases, dout_like, make_inputs, to_host
+
+_POISONS = (np.nan, np.inf, -np.inf)
+_TOLERANCE = {"float64": 1e-9, "float32": 1e-4}
+
+
+def _poison(array, rng: np.random.Generator, count: int):
+    """A copy of ``array`` (any device) with ``count`` random entries set to NaN or ±inf."""
+    host = to_host(array).copy()
+    flat = host.reshape(-1)
+    for index in rng.integers(0, flat.size, size=count):
+        flat[index] = _POISONS[rng.integers(len(_POISONS))]
+    return type(array)(host) if not isinstance(array, np.ndarray) else host
+
+
+def _assert_same(name: str, got, want, dtype: str) -> None:
+    got, want = to_host(got).astype(np.float64), to_host(want).astype(np.float64)
+    for kind, test in (("NaN", np.isnan), ("+inf", np.isposinf), ("-inf", np.isneginf)):
+        where = np.argwhere(test(got) != test(want))
+        assert where.size == 0, f"{name}: {kind} pattern differs from the reference at {where[:5].tolist()}"
+    finite = np.isfinite(want)
+    scale = max(1.0, float(np.abs(want[finite]).max(initial=0.0)))
+    error = float(np.abs(got[finite] - want[finite]).max(initial=0.0)) / scale
+    assert error <= _TOLERANCE[dtype], f"{name}: finite entries differ by {error:.3g}"
+
+
+@settings(max_examples=150)
+@given(case=cases(), poison_seed=st.integers(0, 2**32 - 1), targets=st.sets(st.sampled_from("qkvmd"), min_size=1))
+def test_nonfinite_inputs_propagate_like_the_reference(
+    backend: str, device: str, case: Case, poison_seed: int, targets: set[str]
+) -> None:
+    if case.mask_kind == "bool":
+        case = dataclasses.replace(case, mask_kind="float")
+    inputs = make_inputs(case, device)
+    rng = np.random.default_rng(poison_seed)
+    names = {"q": "q", "k": "k", "v": "v", "m": "mask"}
+    for target in targets - {"d"}:
+        if inputs[names[target]] is not None:
+            inputs[names[target]] = _poison(inputs[names[target]], rng, int(rng.integers(1, 4)))
+    dout = dout_like(case, device)
+    if "d" in targets:
+        dout = _poison(dout, rng, int(rng.integers(1, 4)))
+    kwargs = case.kwargs(inputs)
+    q, k, v = inputs["q"], inputs["k"], inputs["v"]
+    reasons = fastattn.explain(q, k, v, **kwargs)
+    if reasons.reasons[backend]:
+        pytest.skip(f"{backend} declines: {reasons.reasons[backend]}")
+
+    with np.errstate(all="ignore"):
+        want_out, want_lse = fastattn.attention(q, k, v, backend="reference", return_lse=True, **kwargs)
+        got_out, got_lse = fastattn.attention(q, k, v, backend=backend, return_lse=True, **kwargs)
+        _assert_same("out", bhsd_float64(got_out, case.layout), bhsd_float64(want_out, case.layout), case.dtype)
+        _assert_same("lse", got_lse, want_lse, case.dtype)
+        if reasons.backward_reasons[backend]:
+            return
+        saved = (dout, q, k, v, want_out, want_lse)
+        want = fastattn.attention_backward(*saved, backend="reference", **kwargs)
+        got = fastattn.attention_backward(*saved, backend=backend, **kwargs)
+    for name, g, w in zip(("dq", "dk", "dv"), got, want):
+        _assert_same(name, bhsd_float64(g, case.layout), bhsd_float64(w, case.layout), case.dtype)
+
+
+def test_garbage_in_hidden_keys_never_reaches_a_row(backend: str) -> None:
+    """A KV cache allocated with garbage: NaN/inf past key_lengths, behind a bool mask, or in the
+    future of a causal row (same tile as visible keys), never reaches a row that cannot see it."""
+    rng = np.random.default_rng()
+    q, k, v = (rng.standard_normal((2, 4, 40, 16)) for _ in range(3))
+    k[:, :, 30:] = np.nan
+    v[:, :, 30:] = np.inf
+    hidden = np.ones((2, 1, 40, 40), dtype=bool)
+    hidden[1, :, :, 5] = False
+    k[1, :, 5], v[1, :, 5] = np.inf, np.nan
+    for kwargs in ({"key_lengths": np.array([30, 30]), "mask": hidden}, {"causal": True, "mask": hidden}):
+        out, lse = fastattn.attention(q, k, v, backend=backend, return_lse=True, **kwargs)
+        dq, dk, dv = fastattn.attention_backward(np.ones_like(out), q, k, v, out, lse, backend=backend, **kwargs)
+        assert np.isfinite(out[:, :, :30]).all() and np.isfinite(lse[:, :, :30]).all()
+        assert np.isfinite(dq[:, :, :30]).all()
+        if "key_lengths" in kwargs:  # (under causal, rows 30+ see the NaN keys and poison every dK)
+            assert np.isfinite(dk[:, :, :30]).all() and np.isfinite(dv[:, :, :30]).all()
