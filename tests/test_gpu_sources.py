@@ -64,4 +64,3 @@ def test_backward_kernel_names(head_dim: int) -> None:
     assert kv.endswith(", true>") and convert == "fastattn_gpu::flash_backward_dq_convert<__nv_bfloat16>"
     _, kv, dq = gpu_backward.kernel_names("float16", head_dim, deterministic=True)
     assert kv.endswith(", false>") and dq.startswith("fastattn_gpu::flash_backward_dq<__half,")
-

@@ -131,4 +131,3 @@ struct ScoreRule {
 };
 
 }  // namespace fastattn_gpu
-
