@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from ._dropout import Dropout
+
 Direction = Literal["forward", "backward"]
 Causal = Literal["top_left", "bottom_right"]
 MaskKind = Literal["bool", "float"]
@@ -51,6 +53,8 @@ class AttentionProblem:
         Whether ``key_lengths`` was given.
     q_strides, k_strides, v_strides : tuple of four ints
         Element strides of q, k, v in ``(B, H, S, D)`` order (last one 1 unless that axis is 1).
+    dropout_p : float
+        Attention-dropout probability, 0 for none (the seed and offset are in the extras).
     """
 
     direction: Direction
@@ -76,6 +80,7 @@ class AttentionProblem:
     q_strides: tuple[int, int, int, int]
     k_strides: tuple[int, int, int, int]
     v_strides: tuple[int, int, int, int]
+    dropout_p: float = 0.0
 
     @property
     def group_size(self) -> int:
@@ -122,7 +127,10 @@ class AttentionExtras:
         The caller's mask viewed with four axes (leading size-1 axes added; never expanded).
     key_lengths : array or None
         int64 ``(B,)`` valid key counts.
+    dropout : Dropout or None
+        Probability, seed and offset of attention dropout (``fastattn/_dropout.py``), or None.
     """
 
     mask: Any = None
     key_lengths: Any = None
+    dropout: Dropout | None = None

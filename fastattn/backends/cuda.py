@@ -21,6 +21,10 @@ from .._gpu import fp32 as gpu_fp32
 from .._problem import AttentionExtras, AttentionProblem
 from .registry import UnsupportedError
 
+_NO_DROPOUT = (
+    "attention dropout is not in the GPU kernels yet (issue #15); the reference runs it through CuPy "
+    "with the same Philox mask"
+)
 _NO_BACKWARD = "the GPU backward is not built yet; the reference runs it"
 _FLOAT64 = "float64 runs on the reference backend through CuPy"
 
@@ -55,6 +59,8 @@ class CudaBackend:
         """Why this call cannot run on the GPU kernels (empty when it can)."""
         if problem.dtype == "float64":
             return [_FLOAT64]
+        if problem.dropout_p > 0:
+            return [_NO_DROPOUT]
         if problem.dtype == "float32":
             return gpu_fp32.not_supported_reasons(problem)
         reasons = []
