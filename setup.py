@@ -111,6 +111,7 @@ extensions = [
         depends=[
             "fastattn/_cpu/flash_forward.h",
             "fastattn/_cpu/flash_backward.h",
+            "fastattn/_cpu/philox.h",
             "fastattn/_cpu/simd.h",
             "fastattn/_cpu/_omp_shim.h",
         ],

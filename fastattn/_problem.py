@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from ._dropout import Dropout
+
 Direction = Literal["forward", "backward"]
 Causal = Literal["top_left", "bottom_right"]
 MaskKind = Literal["bool", "float"]
@@ -54,6 +56,8 @@ class AttentionProblem:
     deterministic : bool
         Backward only: gradients must be bit-identical from run to run (no floating-point atomics
         whose order varies).  Backends that are always deterministic ignore it.
+    dropout_p : float
+        Attention-dropout probability, 0 for none (the seed and offset are in the extras).
     """
 
     direction: Direction
@@ -80,6 +84,7 @@ class AttentionProblem:
     k_strides: tuple[int, int, int, int]
     v_strides: tuple[int, int, int, int]
     deterministic: bool = False
+    dropout_p: float = 0.0
 
     @property
     def group_size(self) -> int:
@@ -128,7 +133,10 @@ class AttentionExtras:
         The caller's mask viewed with four axes (leading size-1 axes added; never expanded).
     key_lengths : array or None
         int64 ``(B,)`` valid key counts.
+    dropout : Dropout or None
+        Probability, seed and offset of attention dropout (``fastattn/_dropout.py``), or None.
     """
 
     mask: Any = None
     key_lengths: Any = None
+    dropout: Dropout | None = None

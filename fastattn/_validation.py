@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _arrays
+from . import _arrays, _dropout
 from ._problem import AttentionExtras, AttentionProblem, Causal, Direction, Layout
 
 _LAYOUTS = ("bhsd", "bshd")
@@ -197,6 +197,9 @@ def prepare(
     window: Any = None,
     softcap: Any = None,
     layout: Any = "bhsd",
+    dropout_p: Any = 0.0,
+    dropout_seed: Any = None,
+    dropout_offset: Any = 0,
     labels: dict[str, str] | None = None,
     deterministic: Any = False,
 ) -> PreparedCall:
@@ -209,8 +212,8 @@ def prepare(
     arrays : dict
         ``q``, ``k``, ``v`` and, for the backward, ``dout``, ``out`` and ``lse``, as the caller
         passed them (any supported framework).
-    causal, scale, mask, key_lengths, window, softcap, layout
-        As in :func:`fastattn.attention`.
+    causal, scale, mask, key_lengths, window, softcap, layout, dropout_p, dropout_seed, dropout_offset
+        As in :func:`fastattn.attention` (the backward needs the forward's ``dropout_seed``).
     labels : dict, optional
         The caller's names for ``q``, ``k``, ``v`` and ``mask`` in error messages (for
         ``scaled_dot_product_attention``: query, key, value, attn_mask).
@@ -279,6 +282,7 @@ def prepare(
     full_shape = (batch, heads_q, seq_q, seq_k)
     mask_native, mask_kind = _mask(label["mask"], mask, origin, full_shape)
     lengths = _key_lengths(key_lengths, origin, batch, seq_k)
+    dropout = _dropout.parse(dropout_p, dropout_seed, dropout_offset, need_seed=direction == "backward")
     for name, native in bhsd.items():
         if name != "lse":
             bhsd[name] = _arrays.last_axis_contiguous(native)
@@ -307,5 +311,6 @@ def prepare(
         k_strides=_element_strides(bhsd["k"]),
         v_strides=_element_strides(bhsd["v"]),
         deterministic=deterministic,
+        dropout_p=0.0 if dropout is None else dropout.p,
     )
-    return PreparedCall(problem, bhsd, AttentionExtras(mask_native, lengths), origin)
+    return PreparedCall(problem, bhsd, AttentionExtras(mask_native, lengths, dropout), origin)

@@ -8,13 +8,12 @@ lse ``(B, Hq, Sq)``.  The semantics of every option are those of DESIGN.md §3.
 from __future__ import annotations
 
 import dataclasses
-import numbers
 from typing import Any
 
 from . import _arrays
 from ._validation import PreparedCall, prepare
 from .backends import registry
-from .backends.registry import Explanation, UnsupportedError
+from .backends.registry import Explanation
 
 __all__ = [
     "attention",
@@ -52,6 +51,9 @@ def attention(
     window: tuple[int, int] | None = None,
     softcap: float | None = None,
     layout: str = "bhsd",
+    dropout_p: float = 0.0,
+    dropout_seed: int | None = None,
+    dropout_offset: int = 0,
     return_lse: bool = False,
     backend: str | None = None,
 ) -> Any:
@@ -86,6 +88,15 @@ def attention(
         Scores become ``softcap * tanh(scores / softcap)`` before masking (Gemma 2).
     layout : {"bhsd", "bshd"}
         Axis order of q, k, v and out.
+    dropout_p : float
+        Attention dropout: each probability is dropped with this probability and the kept ones
+        scaled by ``1 / (1 - dropout_p)`` (after the softmax; lse is unaffected).  0 = none.
+    dropout_seed : int, optional
+        Key of the counter-based (Philox4x32-10) mask, in ``[0, 2**64)``; a fresh random seed when
+        None.  Pass the same seed (and offset) to :func:`attention_backward`.  Every backend draws
+        the same mask for the same seed and offset.
+    dropout_offset : int
+        Counter offset in ``[0, 2**32)``: an independent mask under the same seed.
     return_lse : bool
         Also return the log-sum-exp of each row's scores.
     backend : str, optional
@@ -113,6 +124,9 @@ def attention(
         window=window,
         softcap=softcap,
         layout=layout,
+        dropout_p=dropout_p,
+        dropout_seed=dropout_seed,
+        dropout_offset=dropout_offset,
     )
     return _forward(call, backend, return_lse=return_lse)
 
@@ -164,6 +178,9 @@ def attention_backward(
     window: tuple[int, int] | None = None,
     softcap: float | None = None,
     layout: str = "bhsd",
+    dropout_p: float = 0.0,
+    dropout_seed: int | None = None,
+    dropout_offset: int = 0,
     backend: str | None = None,
     deterministic: bool = False,
 ) -> tuple[Any, Any, Any]:
@@ -179,8 +196,10 @@ def attention_backward(
         The forward's output.
     lse : array, (B, Hq, Sq)
         The forward's ``lse`` (``return_lse=True``); float32, float64 for float64 inputs.
-    causal, scale, mask, key_lengths, window, softcap, layout, backend
+    causal, scale, mask, key_lengths, window, softcap, layout, dropout_p, dropout_offset, backend
         Exactly as given to the forward.
+    dropout_seed : int, optional
+        The forward's seed: required when ``dropout_p > 0`` (the mask is regenerated, never stored).
     deterministic : bool
         Make the gradients bit-identical from run to run.  The cpu and reference backends always
         are; the cuda backend then computes dq in a separate pass over query blocks instead of
@@ -206,6 +225,9 @@ def attention_backward(
         window=window,
         softcap=softcap,
         layout=layout,
+        dropout_p=dropout_p,
+        dropout_seed=dropout_seed,
+        dropout_offset=dropout_offset,
         deterministic=deterministic,
     )
     chosen = registry.select(call.problem, backend)
@@ -231,6 +253,9 @@ def explain(
     window: tuple[int, int] | None = None,
     softcap: float | None = None,
     layout: str = "bhsd",
+    dropout_p: float = 0.0,
+    dropout_seed: int | None = None,
+    dropout_offset: int = 0,
     backend: str | None = None,
 ) -> Explanation:
     """Say which backend would run ``attention(q, k, v, **options)`` and why the others decline.
@@ -255,6 +280,9 @@ def explain(
         window=window,
         softcap=softcap,
         layout=layout,
+        dropout_p=dropout_p,
+        dropout_seed=dropout_seed,
+        dropout_offset=dropout_offset,
     )
     backward_problem = dataclasses.replace(call.problem, direction="backward")
     return registry.explain_problem(call.problem, backward_problem, backend)
@@ -280,8 +308,9 @@ def scaled_dot_product_attention(
     attn_mask : array, optional
         Broadcastable to ``(N, Hq, L, S)``: bool (True = takes part) or float (added).
     dropout_p : float
-        Must be 0: attention dropout is not implemented, and ``> 0`` raises
-        :class:`fastattn.UnsupportedError` rather than being ignored.
+        Attention dropout in [0, 1], applied on every call like PyTorch's (which also ignores
+        ``training``), with a fresh random seed each time; use :func:`attention` with
+        ``dropout_seed`` for a reproducible mask.
     is_causal : bool
         Top-left causal mask (PyTorch's convention); not allowed together with ``attn_mask``.
     scale : float, optional
@@ -352,19 +381,7 @@ def sdpa_arguments(
     ------
     TypeError, ValueError
         An argument is invalid; the message names it.
-    UnsupportedError
-        ``dropout_p > 0``.
     """
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
-        raise TypeError(f"dropout_p: expected a float in [0, 1], received {dropout_p!r}")
-    probability = float(dropout_p)
-    if not 0.0 <= probability <= 1.0:
-        raise ValueError(f"dropout_p: expected a float in [0, 1], received {dropout_p!r}")
-    if probability > 0.0:
-        raise UnsupportedError(
-            f"dropout_p={dropout_p} is not supported",
-            ["attention dropout is not implemented by any fastattn backend; pass dropout_p=0.0"],
-        )
     if not isinstance(is_causal, bool):
         raise TypeError(f"is_causal: expected a bool, received {is_causal!r}")
     if not isinstance(enable_gqa, bool):
@@ -406,6 +423,7 @@ def sdpa_arguments(
         causal=is_causal,
         scale=scale,
         mask=attn_mask,
+        dropout_p=dropout_p,
         labels={"q": "query", "k": "key", "v": "value", "mask": "attn_mask"},
     )
     return SdpaArguments(call, query, key, value, attn_mask, unbatched_heads)

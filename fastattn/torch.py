@@ -85,6 +85,9 @@ def attention(
     window: tuple[int, int] | None = None,
     softcap: float | None = None,
     layout: str = "bhsd",
+    dropout_p: float = 0.0,
+    dropout_seed: int | None = None,
+    dropout_offset: int = 0,
     return_lse: bool = False,
     backend: str | None = None,
 ) -> Any:
@@ -105,6 +108,10 @@ def attention(
         with ``requires_grad=True`` raises :class:`fastattn.UnsupportedError`.
     key_lengths : torch.Tensor of int, (B,), optional
         Keys ``j >= key_lengths[b]`` are padding.
+    dropout_p, dropout_seed, dropout_offset
+        Attention dropout as in :func:`fastattn.attention`; the backward regenerates the same
+        mask.  Without a seed, one is drawn from torch's default generator, so
+        ``torch.manual_seed`` makes the mask reproducible.
     return_lse : bool
         Also return the rows' log-sum-exp, float32 ``(B, Hq, Sq)`` (float64 for float64 inputs),
         detached: no gradient flows back through it.
@@ -131,12 +138,17 @@ def attention(
         raise TypeError(f"return_lse: expected a bool, received {return_lse!r}")
     _check_mask("mask", mask)
     functional.check_backend_argument(backend)
+    if dropout_seed is None and not isinstance(dropout_p, bool) and isinstance(dropout_p, (int, float)) and dropout_p:
+        dropout_seed = int(torch.randint(0, 2**62, (1,), dtype=torch.int64).item())
     options = {
         "causal": causal,
         "scale": scale,
         "window": window,
         "softcap": softcap,
         "layout": layout,
+        "dropout_p": dropout_p,
+        "dropout_seed": dropout_seed,
+        "dropout_offset": dropout_offset,
         "backend": registry.requested_backend(backend)[0],
     }
     out, lse = _AttentionFunction.apply(q, k, v, mask, key_lengths, options)
@@ -165,8 +177,8 @@ def scaled_dot_product_attention(
         scores); it gets no gradient, and one that requires grad raises
         :class:`fastattn.UnsupportedError`.
     dropout_p : float
-        Must be 0: ``> 0`` raises :class:`fastattn.UnsupportedError` (no backend implements
-        attention dropout, and an option is never silently ignored).
+        Attention dropout in [0, 1], applied on every call like PyTorch's, with a seed drawn from
+        torch's default generator (``torch.manual_seed`` reproduces it).
     is_causal : bool
         Top-left causal mask; not allowed together with ``attn_mask``.
     scale : float, optional
@@ -189,5 +201,6 @@ def scaled_dot_product_attention(
         causal=is_causal,
         scale=scale,
         mask=arguments.attn_mask,
+        dropout_p=dropout_p,
     )
     return out[:, 0] if arguments.unbatched_heads else out

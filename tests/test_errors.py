@@ -270,6 +270,28 @@ OPTION_CASES = [
     ("key_lengths-0d", _set(key_lengths=lambda a: np.array(3)), ValueError, "key_lengths"),
     ("key_lengths-negative", _set(key_lengths=lambda a: np.array([3, -1])), ValueError, "key_lengths"),
     ("key_lengths-above-sk", _set(key_lengths=lambda a: np.array([SK + 1, 2])), ValueError, "key_lengths"),
+    # dropout
+    ("dropout_p-negative", _set(dropout_p=lambda a: -0.1), ValueError, "dropout_p"),
+    ("dropout_p-above-one", _set(dropout_p=lambda a: 1.5), ValueError, "dropout_p"),
+    ("dropout_p-nan", _set(dropout_p=lambda a: math.nan), ValueError, "dropout_p"),
+    ("dropout_p-str", _set(dropout_p=lambda a: "0.1"), TypeError, "dropout_p"),
+    ("dropout_p-bool", _set(dropout_p=lambda a: True), TypeError, "dropout_p"),
+    ("dropout_seed-negative", _set(dropout_p=lambda a: 0.1, dropout_seed=lambda a: -1), ValueError, "dropout_seed"),
+    ("dropout_seed-2**64", _set(dropout_p=lambda a: 0.1, dropout_seed=lambda a: 2**64), ValueError, "dropout_seed"),
+    ("dropout_seed-float", _set(dropout_p=lambda a: 0.1, dropout_seed=lambda a: 1.5), TypeError, "dropout_seed"),
+    (
+        "dropout_offset-negative",
+        _set(dropout_seed=lambda a: 1, dropout_offset=lambda a: -1),
+        ValueError,
+        "dropout_offset",
+    ),
+    (
+        "dropout_offset-2**32",
+        _set(dropout_seed=lambda a: 1, dropout_offset=lambda a: 2**32),
+        ValueError,
+        "dropout_offset",
+    ),
+    ("dropout_offset-None", _set(dropout_offset=lambda a: None), TypeError, "dropout_offset"),
     # backend argument
     ("backend-unknown", _set(backend=lambda a: "nope"), ValueError, "backend"),
     ("backend-int", _set(backend=lambda a: 3), TypeError, "backend"),
@@ -487,14 +509,12 @@ def test_sdpa_bad_option(changes: dict[str, Any], exc: type[Exception], argname:
     expect_error(exc, argname, fastattn.scaled_dot_product_attention, **inputs, **changes)
 
 
-@pytest.mark.parametrize("dropout_p", [0.5, 1.0, 1e-9])
-def test_sdpa_dropout_is_unsupported(dropout_p: float) -> None:
+def test_sdpa_dropout_runs_and_drops() -> None:
+    """dropout_p is applied, like PyTorch's: 1 drops everything, and two calls draw different masks."""
     inputs = _sdpa_inputs()
-    error = expect_error(
-        fastattn.UnsupportedError, None, fastattn.scaled_dot_product_attention, **inputs, dropout_p=dropout_p
-    )
-    assert error.reasons and all(isinstance(reason, str) and reason for reason in error.reasons)
-    assert "dropout" in str(error)
+    assert np.all(fastattn.scaled_dot_product_attention(**inputs, dropout_p=1.0) == 0)
+    first = fastattn.scaled_dot_product_attention(**inputs, dropout_p=0.5)
+    assert not np.array_equal(first, fastattn.scaled_dot_product_attention(**inputs, dropout_p=0.5))
 
 
 def test_sdpa_gqa_needs_enable_gqa() -> None:

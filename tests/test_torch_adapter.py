@@ -215,10 +215,21 @@ def test_mask_that_requires_grad_is_refused() -> None:
         fastattn_torch.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
 
-def test_dropout_is_unsupported() -> None:
+@pytest.mark.parametrize("backend", [None, "reference"])
+def test_dropout_gradcheck_with_a_fixed_seed(backend: str | None) -> None:
+    q, k, v = (t.requires_grad_() for t in _inputs())
+    options = {"causal": True, "dropout_p": 0.3, "dropout_seed": 1234, "dropout_offset": 5, "backend": backend}
+    assert torch.autograd.gradcheck(lambda *x: fastattn_torch.attention(*x, **options), (q, k, v))
+
+
+def test_dropout_without_seed_follows_torch_manual_seed() -> None:
     q, k, v = _inputs(heads_kv=HQ)
-    with pytest.raises(fastattn.UnsupportedError, match="dropout_p=0.1"):
-        fastattn_torch.scaled_dot_product_attention(q, k, v, dropout_p=0.1)
+    torch.manual_seed(7)
+    first = fastattn_torch.scaled_dot_product_attention(q, k, v, dropout_p=0.5)
+    second = fastattn_torch.scaled_dot_product_attention(q, k, v, dropout_p=0.5)
+    torch.manual_seed(7)
+    again = fastattn_torch.scaled_dot_product_attention(q, k, v, dropout_p=0.5)
+    assert torch.equal(first, again) and not torch.equal(first, second)
 
 
 @pytest.mark.parametrize(

@@ -19,6 +19,9 @@ def forward(
     key_tile: int,
     splits: int,
     threads: int,
+    dropout_p: float = ...,
+    dropout_seed: int = ...,
+    dropout_offset: int = ...,
 ) -> None: ...
 
 def backward(
@@ -43,4 +46,7 @@ def backward(
     block_queries: int,
     key_tile: int,
     threads: int,
+    dropout_p: float = ...,
+    dropout_seed: int = ...,
+    dropout_offset: int = ...,
 ) -> None: ...

@@ -5,7 +5,7 @@ in OpenMP ``prange`` loops with the GIL released and one scratch slab per thread
 lives in ``flash_forward.h`` (forward, decode, split-KV merge) and ``flash_backward.h``.
 """
 
-from libc.stdint cimport int64_t
+from libc.stdint cimport int64_t, uint32_t, uint64_t
 from cython.parallel cimport prange
 
 import ml_dtypes
@@ -45,6 +45,10 @@ cdef extern from "flash_forward.h" namespace "fastattn" nogil:
         char* partial_lse
         int skip_zero_weights
         int* nonfinite_output
+        double dropout_p
+        unsigned int dropout_key[2]
+        unsigned int dropout_offset
+        unsigned long long dropout_threshold
 
 cdef extern from "flash_backward.h" namespace "fastattn" nogil:
     cdef struct BwdParams:
@@ -140,6 +144,19 @@ cdef void _fill(FwdParams* p, q, k, v, lse, double scale, double softcap, bint c
     p.out = NULL
     p.skip_zero_weights = 0
     p.nonfinite_output = NULL
+    p.dropout_p = 0.0
+    p.dropout_key[0] = p.dropout_key[1] = 0
+    p.dropout_offset = 0
+    p.dropout_threshold = 0
+
+
+cdef void _fill_dropout(FwdParams* p, double dropout_p, uint64_t seed, uint32_t offset):
+    """Dropout fields: the Philox key from the seed and the keep threshold (philox.h's layout)."""
+    p.dropout_p = dropout_p
+    p.dropout_key[0] = <unsigned int> (seed & 0xFFFFFFFF)
+    p.dropout_key[1] = <unsigned int> (seed >> 32)
+    p.dropout_offset = offset
+    p.dropout_threshold = <unsigned long long> (dropout_p * 4294967296.0)
 
 
 cdef char* _slab(size_t per_thread, int threads, list keep) except NULL:
@@ -151,7 +168,8 @@ cdef char* _slab(size_t per_thread, int threads, list keep) except NULL:
 
 def forward(q, k, v, out, lse, *, double scale, double softcap, bint causal, int64_t offset,
             int64_t window_left, int64_t window_right, mask, key_lengths,
-            int64_t block_queries, int64_t key_tile, int64_t splits, int threads):
+            int64_t block_queries, int64_t key_tile, int64_t splits, int threads,
+            double dropout_p=0.0, uint64_t dropout_seed=0, uint32_t dropout_offset=0):
     """Run the flash forward on (B, H, S, D)-ordered numpy arrays, writing ``out`` and ``lse``.
 
     Parameters
@@ -179,6 +197,8 @@ def forward(q, k, v, out, lse, *, double scale, double softcap, bint causal, int
         Query positions per work item, keys per tile, key splits per item (decode).
     threads : int
         OpenMP threads for the parallel regions (capped at the number of work items).
+    dropout_p, dropout_seed, dropout_offset : float, int, int
+        Attention dropout (philox.h's mask); p = 0 for none.
     """
     cdef FwdParams p
     cdef int64_t items
@@ -187,6 +207,7 @@ def forward(q, k, v, out, lse, *, double scale, double softcap, bint causal, int
     keep = []
     _fill(&p, q, k, v, lse, scale, softcap, causal, offset, window_left, window_right, mask,
           key_lengths, block_queries, key_tile)
+    _fill_dropout(&p, dropout_p, dropout_seed, dropout_offset)
     p.out = <char*> _address(out)
     _strides(p.out_stride, out, 3)
     p.splits = splits
@@ -223,7 +244,8 @@ cdef void _forward_pass(FwdParams* p, char* scratch, size_t scratch_bytes, int64
 
 def backward(dout, q, k, v, out, lse, dq, dk, dv, *, double scale, double softcap, bint causal,
              int64_t offset, int64_t window_left, int64_t window_right, mask, key_lengths,
-             int64_t block_queries, int64_t key_tile, int threads):
+             int64_t block_queries, int64_t key_tile, int threads,
+             double dropout_p=0.0, uint64_t dropout_seed=0, uint32_t dropout_offset=0):
     """Run the flash backward, writing ``dq``, ``dk`` and ``dv``.
 
     Parameters
@@ -240,6 +262,8 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, *, double scale, double softca
         Query positions per tile (all heads of a group stacked), keys per block.
     threads : int
         OpenMP threads.
+    dropout_p, dropout_seed, dropout_offset : float, int, int
+        The forward's dropout, regenerated.
     """
     cdef BwdParams p
     cdef int64_t index, rows, key_items, query_items
@@ -249,6 +273,7 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, *, double scale, double softca
     keep = []
     _fill(&p.f, q, k, v, lse, scale, softcap, causal, offset, window_left, window_right, mask,
           key_lengths, block_queries, key_tile)
+    _fill_dropout(&p.f, dropout_p, dropout_seed, dropout_offset)
     p.dout = <const char*> _address(dout)
     p.out = <const char*> _address(out)
     p.dq = <char*> _address(dq)

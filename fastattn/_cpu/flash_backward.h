@@ -111,7 +111,7 @@ template <typename T> static size_t backward_scratch_elements(const BwdParams& b
     const FwdParams& p = bp.f;
     const int64_t mp = round_up(p.group * p.block_queries, 2 * lanes<T>());
     const int64_t n = p.key_tile, width = 2 * p.head_dim + 2 * p.head_dim_v;
-    return (size_t)(n * width + mp * width + 3 * n * mp + 3 * mp + p.head_dim * mp + 4 * lanes<T>());
+    return (size_t)(n * width + mp * width + 4 * n * mp + 3 * mp + p.head_dim * mp + 4 * lanes<T>());
 }
 
 /* Pack the rows of one query tile: scale*Q as Qp[d][rows] (and as rows, for dK), dO as dOp[c][rows]
@@ -154,9 +154,9 @@ template <typename T, typename In, int NV> struct TilePack {
 };
 
 /* The scratch of one backward work item after its `reserved` accumulator elements: K/V
- * conversion tiles, the packed query tile, and the S/P, dP/dS and softcap' tiles. */
+ * conversion tiles, the packed query tile, and the S/P, dP/dS, softcap' and dropout tiles. */
 template <typename T, typename In, int NV> struct BackwardTiles {
-    T *k_converted, *v_converted, *s, *dp, *cap_grad;
+    T *k_converted, *v_converted, *s, *dp, *cap_grad, *keep;
     TilePack<T, In, NV> pack;
 
     BackwardTiles(const FwdParams& p, T* scratch, int64_t reserved) {
@@ -171,17 +171,19 @@ template <typename T, typename In, int NV> struct BackwardTiles {
         s = pack.do_rows + mp_max * Dv;
         dp = s + N * mp_max;
         cap_grad = dp + N * mp_max;
-        pack.lse = cap_grad + N * mp_max;
+        keep = cap_grad + N * mp_max;
+        pack.lse = keep + N * mp_max;
         pack.delta = pack.lse + mp_max;
         pack.position = pack.delta + mp_max;
     }
 };
 
-/* S -> P and dP -> dS for one (key tile, query tile): s holds S[j][rows] on entry and P on exit,
- * dp holds dP on entry and dS on exit (softcap' from cap_grad when softcap is on). */
+/* S -> P and dP -> dS for one (key tile, query tile): s holds S[j][rows] on entry and P on exit
+ * (P o dropout with `keep`, the dropout multipliers: what dV needs), dp holds dP on entry and
+ * dS = P (dP o dropout - delta) [* softcap'] on exit. */
 template <typename T>
-static void softmax_gradient(const FwdParams& p, T* s, T* dp, const T* cap_grad, const T* lse, const T* delta,
-                             int64_t n, int64_t mp) {
+static void softmax_gradient(const FwdParams& p, T* s, T* dp, const T* cap_grad, const T* keep, const T* lse,
+                             const T* delta, int64_t n, int64_t mp) {
     typedef typename Vec<T>::type V;
     constexpr int L = Vec<T>::lanes;
     for (int64_t j = 0; j < n; ++j)
@@ -190,8 +192,15 @@ static void softmax_gradient(const FwdParams& p, T* s, T* dp, const T* cap_grad,
             const V score = vload<V>(s + j * mp + r);
             const V prob = vselect(score == vbroadcast(-std::numeric_limits<T>::infinity()), V{},
                                    vexp(score - vload<V>(lse + r)));
-            vstore(s + j * mp + r, prob);
-            V grad = prob * (vload<V>(dp + j * mp + r) - vload<V>(delta + r));
+            V dprob = vload<V>(dp + j * mp + r);
+            if (keep) {
+                const V factor = vload<V>(keep + j * mp + r);
+                dprob = vselect(factor != V{}, dprob * factor, V{});
+                vstore(s + j * mp + r, prob * factor);
+            } else {
+                vstore(s + j * mp + r, prob);
+            }
+            V grad = prob * (dprob - vload<V>(delta + r));
             if (p.softcap > 0) grad *= vload<V>(cap_grad + j * mp + r);
             /* A key of zero weight has dS = 0 exactly, even if its dP (V) is not finite. */
             vstore(dp + j * mp + r, vselect(prob != V{}, grad, V{}));
@@ -209,7 +218,13 @@ static void tile_gradients(const FwdParams& p, const KvTile<T, In>& tile, Backwa
         Blocked<T, NV>::qk_all(n, tile.v, tile.v_stride, t.pack.dop + rb * Dv, Dv, t.dp + rb, mp);
     }
     finish_scores<T>(p, t.s, t.cap_grad, mp, t.pack.rows, n, kt, b, kvh, q0, qn, t.pack.position);
-    softmax_gradient<T>(p, t.s, t.dp, t.cap_grad, t.pack.lse, t.pack.delta, n, mp);
+    const T* keep = nullptr;
+    if (p.dropout_p > 0) {
+        std::memset(t.keep, 0, sizeof(T) * n * mp);
+        dropout_tile<T>(p, t.keep, mp, 1, t.pack.rows, n, kt, b, kvh, q0, qn, true);
+        keep = t.keep;
+    }
+    softmax_gradient<T>(p, t.s, t.dp, t.cap_grad, keep, t.pack.lse, t.pack.delta, n, mp);
 }
 
 /* Pass 2: dK and dV of keys [k0, k0 + key_tile) of one kv head. */

@@ -40,6 +40,7 @@
 #include <limits>
 #include <type_traits>
 
+#include "philox.h"
 #include "simd.h"
 
 namespace fastattn {
@@ -73,6 +74,10 @@ struct FwdParams {
     char* partial_lse;    /* splits > 1: [items][splits][rows] */
     int skip_zero_weights; /* products whose weight (P or dS) is exactly 0 are skipped, not added */
     int* nonfinite_output; /* set to 1 (relaxed atomic) when a NaN or infinity is stored in a result */
+    double dropout_p;      /* 0: no dropout */
+    unsigned int dropout_key[2];
+    unsigned int dropout_offset;
+    unsigned long long dropout_threshold; /* keep iff word >= threshold (2^32 for p = 1) */
 };
 
 /* Non-finite inputs.  A product weight * value with weight exactly 0 (a hidden key, or exp
@@ -295,6 +300,34 @@ static void finish_scores(const FwdParams& p, T* s, T* cap_grad, int64_t mp, int
     }
 }
 
+/* ---- attention dropout ------------------------------------------------------------------------ */
+
+/* Multiply each entry of a probability tile by its dropout multiplier, 0 or 1 / (1 - p), or with
+ * `assign` store the multiplier itself.  Entry (key kt + j, row r) is tile[j * key_stride +
+ * r * row_stride]; row r is head kvh * G + r / qn, query q0 + r % qn.  The decision comes from
+ * philox.h's counter layout, one Philox call per row and block of four keys. */
+template <typename T>
+static void dropout_tile(const FwdParams& p, T* tile, int64_t key_stride, int64_t row_stride, int64_t rows,
+                         int64_t n, int64_t kt, int64_t b, int64_t kvh, int64_t q0, int64_t qn, bool assign) {
+    const T scale = p.dropout_p >= 1.0 ? T(0) : (T)(1.0 / (1.0 - p.dropout_p));
+    for (int64_t r = 0; r < rows; ++r) {
+        const int64_t h = kvh * p.group + r / qn, i = q0 + r % qn;
+        unsigned int words[4];
+        int64_t block = -1;
+        for (int64_t j = 0; j < n; ++j) {
+            const int64_t key = kt + j;
+            if ((key >> 2) != block) {
+                block = key >> 2;
+                fastattn_philox::dropout_words(p.dropout_key, p.dropout_offset, (unsigned int)(b * p.heads_q + h),
+                                               (unsigned int)i, (unsigned int)block, words);
+            }
+            const T factor = (unsigned long long)words[key & 3] >= p.dropout_threshold ? scale : T(0);
+            T& entry = tile[j * key_stride + r * row_stride];
+            entry = assign ? factor : entry * factor;
+        }
+    }
+}
+
 /* ---- K and V tiles ---------------------------------------------------------------------------- */
 
 /* K and V rows of a tile in the compute type: the caller's memory read in place, or (float16 and
@@ -439,7 +472,8 @@ static void forward_block(const FwdParams& p, T* scratch, int64_t b, int64_t kvh
             for (int64_t c = 0; c < Dv; ++c) vstore(o + c * mp + r, vload<V>(o + c * mp + r) * alpha);
         }
 
-        /* O[c][rows] += V^T P. */
+        /* O[c][rows] += V^T (P o dropout); row_sum above took P before dropout. */
+        if (p.dropout_p > 0) dropout_tile<T>(p, s, mp, 1, rows, n, kt, b, kvh, q0, qn, false);
         for (int64_t rb = 0; rb < mp; rb += RB)
             Blocked<T, NV>::pv_all(Dv, tile.v, tile.v_stride, s + rb, mp, n, o + rb, p.skip_zero_weights);
     }
@@ -589,6 +623,8 @@ static void forward_block_dot(const FwdParams& p, T* scratch, int64_t b, int64_t
             if (alpha != T(1))
                 for (int64_t c = 0; c < Dv; ++c) o[r * Dv + c] *= alpha;
         }
+
+        if (p.dropout_p > 0) dropout_tile<T>(p, s, 1, N, R, n, kt, b, kvh, q0, qn, false);
 
         /* O[r][:] += P[r][j] V[j][:], CB vectors of each row's O in registers. */
         for (int64_t c = 0; c < dv_main; c += CB * L) {

@@ -68,6 +68,9 @@ def _kernel_options(problem: AttentionProblem, extras: AttentionExtras) -> dict[
         "key_lengths": extras.key_lengths,
         "key_tile": KEY_TILE,
         "threads": 1 if work < SINGLE_THREAD_WORK else _threads.get_num_threads(),
+        "dropout_p": problem.dropout_p,
+        "dropout_seed": 0 if extras.dropout is None else extras.dropout.seed,
+        "dropout_offset": 0 if extras.dropout is None else extras.dropout.offset,
     }
 
 

@@ -25,6 +25,10 @@ from .._gpu import forward as gpu_forward
 from .._gpu import fp32 as gpu_fp32
 from .._problem import AttentionExtras, AttentionProblem
 
+_NO_DROPOUT = (
+    "attention dropout is not in the GPU kernels yet (issue #15); the reference runs it through CuPy "
+    "with the same Philox mask"
+)
 _FLOAT64 = "float64 runs on the reference backend through CuPy"
 _MAX_SHARED_MEMORY_PER_BLOCK_OPTIN = 97  # cudaDevAttrMaxSharedMemoryPerBlockOptin
 
@@ -59,6 +63,8 @@ class CudaBackend:
         """Why this call cannot run on the GPU kernels (empty when it can)."""
         if problem.dtype == "float64":
             return [_FLOAT64]
+        if problem.dropout_p > 0:
+            return [_NO_DROPOUT]
         if problem.dtype == "float32":
             return gpu_fp32.not_supported_reasons(problem)
         reasons = []

@@ -18,7 +18,7 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
-from .. import _arrays
+from .. import _arrays, _dropout
 from .._problem import AttentionExtras, AttentionProblem
 
 
@@ -42,7 +42,8 @@ class ReferenceBackend:
         compute = _arrays.accumulation_dtype(problem.dtype)
         scores = _Scores(problem, xp, q, k, extras)
         p, shift, row_sum = scores.softmax_parts()
-        grouped_out = _skip_zero_weights_matmul(xp, p, v.astype(compute)[:, :, None])
+        kept = p if scores.dropout is None else p * scores.dropout
+        grouped_out = _skip_zero_weights_matmul(xp, kept, v.astype(compute)[:, :, None])
         has_keys = row_sum != 0  # 0 only without a key; NaN poisons the row instead
         grouped_out /= xp.where(has_keys, row_sum, 1)[..., None]
         lse = xp.where(has_keys, shift + xp.log(xp.where(has_keys, row_sum, 1)), -xp.inf)
@@ -70,8 +71,11 @@ class ReferenceBackend:
         grouped_dout = _group(dout.astype(compute), problem)
         grouped_out = _group(out.astype(compute), problem)
         kv_v = v.astype(compute)
-        dv = _skip_zero_weights_matmul(xp, p.swapaxes(-1, -2), grouped_dout).sum(axis=2)
+        kept = p if scores.dropout is None else p * scores.dropout
+        dv = _skip_zero_weights_matmul(xp, kept.swapaxes(-1, -2), grouped_dout).sum(axis=2)
         dp = grouped_dout @ kv_v[:, :, None].swapaxes(-1, -2)
+        if scores.dropout is not None:
+            dp = xp.where(scores.dropout != 0, dp * scores.dropout, 0)
         delta = (grouped_dout * grouped_out).sum(axis=-1, keepdims=True)
         ds = p * (dp - delta)
         if problem.softcap is not None:
@@ -94,10 +98,13 @@ class _Scores:
     grouped_q : array
         q in the compute dtype, ``(B, Hkv, G, Sq, D)``.
     cap_derivative : array or None
-        With softcap, d(capped)/d(raw) = sech^2(raw / softcap), computed as 4u / (1 + u)^2 with
+        With softcap, d(capped)/d(raw) = sech^2(raw / softcap) (raw = ``scale * q @ k.T``, capped =
+        ``softcap * tanh(raw / softcap)``), computed as 4u / (1 + u)^2 with
         u = exp(-2|raw / softcap|): accurate where tanh saturates (1 - tanh^2 would cancel to 0).
     masked : array
-        ``capped`` plus the float mask, -inf wherever a key is not visible.
+        The scores (capped when softcap is on) plus the float mask, -inf wherever a key is hidden.
+    dropout : array or None
+        The dropout multipliers ``(B, Hkv, G, Sq, Sk)``: 0 or ``1 / (1 - p)``.
     """
 
     def __init__(
@@ -121,6 +128,10 @@ class _Scores:
         if visible is not None:
             scores = xp.where(visible, scores, -xp.inf)
         self.masked = scores
+        self.dropout = None
+        if extras.dropout is not None:
+            shape = (problem.batch, problem.heads_q, problem.seq_q, problem.seq_k)
+            self.dropout = _group(_dropout.factors(xp, extras.dropout, shape, compute), problem)
 
     def softmax_parts(self) -> tuple[Any, Any, Any]:
         """Return unnormalised probabilities, the shifts and the row sums.

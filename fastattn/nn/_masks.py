@@ -32,12 +32,17 @@ class AttentionOptions:
         fastattn convention, broadcastable to ``(B, Hq, Sq, Sk)``.
     key_lengths : int array (B,) or None
     window : (int, int) or None
+    dropout_p : float
+    dropout_seed : int or None
+        The seed drawn for this call when ``dropout_p > 0``, so that the backward sees its mask.
     """
 
     causal: bool | str = False
     mask: Any = None
     key_lengths: Any = None
     window: tuple[int, int] | None = None
+    dropout_p: float = 0.0
+    dropout_seed: int | None = None
 
     def as_kwargs(self) -> dict[str, Any]:
         """The options as keyword arguments."""
@@ -46,6 +51,8 @@ class AttentionOptions:
             "mask": self.mask,
             "key_lengths": self.key_lengths,
             "window": self.window,
+            "dropout_p": self.dropout_p,
+            "dropout_seed": self.dropout_seed,
         }
 
 

@@ -125,10 +125,15 @@ class MultiheadAttention(HeadLayout):
         Source of the Xavier-uniform initial weights (biases start at zero).
     backend : str, optional
         The fastattn backend to run on (``None``: automatic selection).
+    dropout : float
+        Attention-dropout probability in [0, 1], applied by the kernels in training mode only
+        (:meth:`train`; never in :meth:`eval` and never on the KV-cache path), like
+        torch.nn.MultiheadAttention's ``dropout``.  Each training forward draws a fresh mask seed
+        from the layer's generator (seeded by ``seed``) and its backward regenerates that mask.
 
     Attributes
     ----------
-    embed_dim, num_heads, num_kv_heads, bias, batch_first, causal, dtype, device, backend
+    embed_dim, num_heads, num_kv_heads, bias, batch_first, causal, dtype, device, backend, dropout
         As given (``dtype`` as a numpy dtype).
     window : (int, int) or None
         The window as ``(left, right)``.
@@ -160,6 +165,7 @@ class MultiheadAttention(HeadLayout):
         device: str = "cpu",
         seed: int | np.random.Generator | None = None,
         backend: str | None = None,
+        dropout: float = 0.0,
     ) -> None:
         self.embed_dim, self.num_heads, self.num_kv_heads = _checks.head_counts(
             embed_dim, num_heads, num_kv_heads
@@ -174,6 +180,9 @@ class MultiheadAttention(HeadLayout):
         if backend is not None and (not isinstance(backend, str) or backend not in backends.names()):
             raise ValueError(f"backend: expected None or one of {backends.names()}, received {backend!r}")
         self.backend = backend
+        if isinstance(dropout, bool) or not isinstance(dropout, (int, float, np.floating)) or not 0 <= dropout <= 1:
+            raise ValueError(f"dropout: expected a float in [0, 1], received {dropout!r}")
+        self.dropout = float(dropout)
         self.training = True
         self.grads: dict[str, Any] = {}
         self._saved: _Saved | None = None
@@ -217,6 +226,7 @@ class MultiheadAttention(HeadLayout):
         if seed is not None and not isinstance(seed, (int, np.integer, np.random.Generator)):
             raise TypeError(f"seed: expected None, an int or a numpy Generator, received {seed!r}")
         rng = np.random.default_rng(seed)
+        self._dropout_seeds = np.random.default_rng(rng.integers(2**63))
         width_q, width_kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self._rows = {
             "q": slice(0, width_q),
@@ -558,8 +568,14 @@ class MultiheadAttention(HeadLayout):
             seq_q=seq_q,
             seq_k=seq_k,
         )
+        dropping = self.training and self.dropout > 0
         options = AttentionOptions(
-            causal="top_left" if causal else False, mask=mask, key_lengths=key_lengths, window=self.window
+            causal="top_left" if causal else False,
+            mask=mask,
+            key_lengths=key_lengths,
+            window=self.window,
+            dropout_p=self.dropout if dropping else 0.0,
+            dropout_seed=int(self._dropout_seeds.integers(2**63)) if dropping else None,
         )
         projected = self._project(sources)
         q = self._rotate(projected["q"], np.arange(seq_q))

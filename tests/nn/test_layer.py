@@ -175,3 +175,31 @@ def test_package_exports():
 def test_cuda_without_cupy_is_refused():
     with pytest.raises(ValueError, match=re.escape("device: expected 'cpu', or CuPy installed for 'cuda'")):
         MultiheadAttention(16, 4, device="cuda")
+
+
+def test_dropout_only_in_training(rng):
+    x = rng.standard_normal((2, 9, 16), dtype=np.float32)
+    plain = MultiheadAttention(16, 4, seed=3)
+    layer = MultiheadAttention(16, 4, seed=3, dropout=0.5)
+    assert layer.dropout == 0.5
+    first, second = layer(x), layer(x)
+    assert not np.array_equal(first, second), "training forwards draw fresh masks"
+    layer.eval()
+    np.testing.assert_array_equal(layer(x), plain.eval()(x))
+
+
+def test_dropout_reaches_the_backward(rng):
+    """With everything dropped the attention output is 0, so no gradient reaches the input
+    through it: the backward regenerated the forward's mask."""
+    x = rng.standard_normal((2, 5, 16), dtype=np.float64)
+    layer = MultiheadAttention(16, 4, dtype=np.float64, dropout=1.0, bias=False)
+    y = layer(x)
+    assert np.all(y == 0)
+    (d_x,) = layer.backward(rng.standard_normal(y.shape))
+    assert np.all(d_x == 0)
+
+
+@pytest.mark.parametrize("dropout", [-0.1, 1.5, "0.1", True])
+def test_dropout_argument_checked(dropout):
+    with pytest.raises(ValueError, match="^dropout: expected a float in"):
+        MultiheadAttention(16, 4, dropout=dropout)
