@@ -57,7 +57,12 @@ def check_forward(backend: str, device: str, case: Case) -> None:
     assert np.all(got_out[empty_rows] == 0), "rows that see no key must be exactly 0"
     tolerance = FORWARD_TOLERANCE[case.dtype]
     assert relative_error(got_out, expected_out) <= tolerance
-    assert relative_error(got_lse[~empty_rows], expected_lse[~empty_rows]) <= tolerance
+    # An error d in lse is a relative error d of the softmax denominator exp(lse): measure lse on
+    # the scale max(|lse|, 1), not relative to an lse near 0 (the fuzz found lse = -0.0048, where
+    # float32's m + log(l) cancels).
+    seen = ~empty_rows
+    scale = np.maximum(np.abs(expected_lse[seen]), 1.0)
+    assert relative_error(got_lse[seen], expected_lse[seen], scale) <= tolerance
 
 
 @settings(max_examples=500)
