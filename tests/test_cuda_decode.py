@@ -20,6 +20,7 @@ import fastattn
 from fastattn import _arrays
 from fastattn._gpu import decode
 
+from ._poison import poisoned_allocator
 from .conformance._cases import Case, bhsd_float64, relative_error
 from .conformance.test_forward import check_forward
 
@@ -31,14 +32,7 @@ if not fastattn.backends.available()["cuda"].available:
 @pytest.fixture(autouse=True)
 def poisoned_outputs(monkeypatch: pytest.MonkeyPatch) -> None:
     """Results allocated NaN-filled, so an element the kernels never write fails the comparison."""
-    unpoisoned = _arrays.empty_bhsd
-
-    def poisoned(xp: Any, shape: tuple[int, int, int, int], dtype: Any, layout: str) -> Any:
-        result = unpoisoned(xp, shape, dtype, layout)
-        result[...] = np.nan
-        return result
-
-    monkeypatch.setattr(_arrays, "empty_bhsd", poisoned)
+    monkeypatch.setattr(_arrays, "empty_bhsd", poisoned_allocator())
 
 
 @pytest.fixture

@@ -18,6 +18,7 @@ import fastattn
 from fastattn import _arrays
 from fastattn._gpu import fp32
 
+from ._poison import poisoned_allocator
 from .conformance import _oracle
 from .conformance._cases import Case, bhsd_float64, dout_like, make_inputs, relative_error, to_host
 from .conformance.test_forward import check_forward
@@ -32,14 +33,7 @@ TOLERANCE = 1e-5
 @pytest.fixture(autouse=True)
 def poisoned_outputs(monkeypatch: pytest.MonkeyPatch) -> None:
     """Results allocated NaN-filled, so an element the kernels never write fails the comparison."""
-    unpoisoned = _arrays.empty_bhsd
-
-    def poisoned(xp: Any, shape: tuple[int, int, int, int], dtype: Any, layout: str) -> Any:
-        result = unpoisoned(xp, shape, dtype, layout)
-        result[...] = np.nan
-        return result
-
-    monkeypatch.setattr(_arrays, "empty_bhsd", poisoned)
+    monkeypatch.setattr(_arrays, "empty_bhsd", poisoned_allocator())
 
 
 @pytest.fixture

@@ -8,13 +8,13 @@ so an element a kernel forgets to write fails the comparison instead of passing 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 
-import numpy as np
 import pytest
 
 import fastattn
 from fastattn import _arrays
+
+from .._poison import poisoned_allocator
 
 
 def _backends() -> list[str]:
@@ -50,13 +50,6 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 @pytest.fixture(scope="session", autouse=True)
 def poisoned_outputs() -> Iterator[None]:
-    unpoisoned = _arrays.empty_bhsd
-
-    def poisoned(xp: Any, shape: tuple[int, int, int, int], dtype: Any, layout: str) -> Any:
-        result = unpoisoned(xp, shape, dtype, layout)
-        result[...] = np.nan
-        return result
-
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(_arrays, "empty_bhsd", poisoned)
+        patch.setattr(_arrays, "empty_bhsd", poisoned_allocator())
         yield
