@@ -144,10 +144,9 @@ def _forward(call: PreparedCall, backend: str | None, return_lse: bool = False) 
     return result
 
 
-def _zeros_like_bhsd(native: Any, layout: str) -> Any:
-    """Zeros shaped and typed like a (B, H, S, D) native array, contiguous in ``layout``."""
-    xp = _arrays.namespace(native)
-    result = _arrays.empty_bhsd(xp, tuple(native.shape), native.dtype, layout)
+def _zeros_bhsd(xp: Any, shape: tuple[int, int, int, int], dtype: Any, layout: str) -> Any:
+    """Zeros of a (B, H, S, D) shape, contiguous in ``layout``."""
+    result = _arrays.empty_bhsd(xp, shape, dtype, layout)
     result[...] = 0
     return result
 
@@ -157,8 +156,7 @@ def _empty_forward(call: PreparedCall) -> tuple[Any, Any]:
     problem, q = call.problem, call.arrays["q"]
     xp = _arrays.namespace(q)
     shape = (problem.batch, problem.heads_q, problem.seq_q, problem.head_dim_v)
-    out = _arrays.empty_bhsd(xp, shape, q.dtype, problem.layout)
-    out[...] = 0
+    out = _zeros_bhsd(xp, shape, q.dtype, problem.layout)
     lse = xp.full(shape[:3], -xp.inf, dtype=_arrays.accumulation_dtype(problem.dtype))
     return out, lse
 
@@ -233,7 +231,10 @@ def attention_backward(
     chosen = registry.select(call.problem, backend)
     a = call.arrays
     if call.problem.is_empty:
-        grads = tuple(_zeros_like_bhsd(a[name], call.problem.layout) for name in ("q", "k", "v"))
+        grads = tuple(
+            _zeros_bhsd(_arrays.namespace(a[name]), tuple(a[name].shape), a[name].dtype, call.problem.layout)
+            for name in ("q", "k", "v")
+        )
     else:
         grads = chosen.backward(call.problem, a["dout"], a["q"], a["k"], a["v"], a["out"], a["lse"], call.extras)
     return tuple(

@@ -138,7 +138,7 @@ def attention(
         raise TypeError(f"return_lse: expected a bool, received {return_lse!r}")
     _check_mask("mask", mask)
     functional.check_backend_argument(backend)
-    if dropout_seed is None and not isinstance(dropout_p, bool) and isinstance(dropout_p, (int, float)) and dropout_p:
+    if dropout_seed is None and dropout_p:  # (a bad dropout_p is refused by the validation below)
         dropout_seed = int(torch.randint(0, 2**62, (1,), dtype=torch.int64).item())
     options = {
         "causal": causal,

@@ -42,8 +42,7 @@ class ReferenceBackend:
         compute = _arrays.accumulation_dtype(problem.dtype)
         scores = _Scores(problem, xp, q, k, extras)
         p, shift, row_sum = scores.softmax_parts()
-        kept = p if scores.dropout is None else p * scores.dropout
-        grouped_out = _skip_zero_weights_matmul(xp, kept, v.astype(compute)[:, :, None])
+        grouped_out = _skip_zero_weights_matmul(xp, scores.dropped(p), v.astype(compute)[:, :, None])
         has_keys = row_sum != 0  # 0 only without a key; NaN poisons the row instead
         grouped_out /= xp.where(has_keys, row_sum, 1)[..., None]
         lse = xp.where(has_keys, shift + xp.log(xp.where(has_keys, row_sum, 1)), -xp.inf)
@@ -71,8 +70,7 @@ class ReferenceBackend:
         grouped_dout = _group(dout.astype(compute), problem)
         grouped_out = _group(out.astype(compute), problem)
         kv_v = v.astype(compute)
-        kept = p if scores.dropout is None else p * scores.dropout
-        dv = _skip_zero_weights_matmul(xp, kept.swapaxes(-1, -2), grouped_dout).sum(axis=2)
+        dv = _skip_zero_weights_matmul(xp, scores.dropped(p).swapaxes(-1, -2), grouped_dout).sum(axis=2)
         dp = grouped_dout @ kv_v[:, :, None].swapaxes(-1, -2)
         if scores.dropout is not None:
             dp = xp.where(scores.dropout != 0, dp * scores.dropout, 0)
@@ -132,6 +130,10 @@ class _Scores:
         if extras.dropout is not None:
             shape = (problem.batch, problem.heads_q, problem.seq_q, problem.seq_k)
             self.dropout = _group(_dropout.factors(xp, extras.dropout, shape, compute), problem)
+
+    def dropped(self, p: Any) -> Any:
+        """Probabilities ``p`` after dropout (``p`` itself without it)."""
+        return p if self.dropout is None else p * self.dropout
 
     def softmax_parts(self) -> tuple[Any, Any, Any]:
         """Return unnormalised probabilities, the shifts and the row sums.
