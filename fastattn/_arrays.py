@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import importlib
 import sys
-from dataclasses import dataclass
 from types import ModuleType
-from typing import Any
+from typing import Any, NamedTuple
 
 import array_api_compat
 import ml_dtypes
@@ -32,8 +31,7 @@ _DLPACK_CUDA = 2
 _DLPACK_CUDA_MANAGED = 13
 
 
-@dataclass(frozen=True)
-class ArrayOrigin:
+class ArrayOrigin(NamedTuple):
     """Where a caller's array came from, so that results can be handed back the same way.
 
     Attributes
@@ -137,16 +135,23 @@ def to_native(value: Any, name: str) -> tuple[Any, ArrayOrigin]:
 def _torch_to_native(tensor: Any, name: str) -> tuple[Any, ArrayOrigin]:
     import torch
 
-    tensor = tensor.detach()
-    if tensor.device.type == "cuda":
+    if tensor.requires_grad:
+        tensor = tensor.detach()
+    if tensor.is_cuda:
         native = _import_dlpack(_cupy(name), tensor, name)
         return native, ArrayOrigin("torch", "cuda", int(tensor.device.index or 0))
-    if tensor.device.type != "cpu":
+    if not tensor.is_cpu:
         raise TypeError(f"{name}: expected a torch tensor on cpu or cuda, received one on {tensor.device}")
-    if tensor.dtype == torch.bfloat16:
-        bits = _import_dlpack(np, tensor.view(torch.int16), name)
-        return bits.view(bfloat16), ArrayOrigin("torch", "cpu", 0)
-    return _import_dlpack(np, tensor, name), ArrayOrigin("torch", "cpu", 0)
+    # Tensor.numpy() shares the memory like DLPack, at a quarter of the cost per call.
+    bits = tensor.view(torch.int16) if tensor.dtype == torch.bfloat16 else tensor
+    try:
+        native = bits.numpy()
+    except (RuntimeError, TypeError, ValueError) as error:
+        raise TypeError(
+            f"{name}: expected a dense array of a supported dtype that DLPack can share, "
+            f"received {describe_value(tensor)} ({type(error).__name__}: {error})"
+        ) from error
+    return (native.view(bfloat16) if bits is not tensor else native), ArrayOrigin("torch", "cpu", 0)
 
 
 def from_native(native: Any, origin: ArrayOrigin) -> Any:
@@ -164,9 +169,11 @@ def from_native(native: Any, origin: ArrayOrigin) -> Any:
     if origin.framework == "torch":
         import torch
 
-        if origin.device == "cpu" and native.dtype == bfloat16:
-            return torch.from_dlpack(native.view(np.int16)).view(torch.bfloat16)
-        return torch.from_dlpack(native)
+        if origin.device == "cuda":
+            return torch.from_dlpack(native)
+        if native.dtype == bfloat16:
+            return torch.from_numpy(native.view(np.int16)).view(torch.bfloat16)
+        return torch.from_numpy(native)
     if origin.framework == "jax":
         import jax.numpy as jnp
 

@@ -49,25 +49,34 @@ class Dropout:
         return self.seed & _LOW, self.seed >> 32
 
 
-def parse(dropout_p: Any, seed: Any, offset: Any, *, need_seed: bool) -> Dropout | None:
-    """Validate ``dropout_p``, ``dropout_seed`` and ``dropout_offset``; None when p is 0.
-
-    Parameters
-    ----------
-    need_seed : bool
-        True for the backward, which must regenerate the forward's mask: a missing seed is then an
-        error.  The forward draws a fresh seed when none is given.
-    """
+def probability(dropout_p: Any) -> float:
+    """Validate ``dropout_p``: a real number in [0, 1] (0 = no dropout)."""
+    if type(dropout_p) is float and 0.0 <= dropout_p <= 1.0:
+        return dropout_p
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
         raise TypeError(f"dropout_p: expected a float in [0, 1], received {dropout_p!r}")
     p = float(dropout_p)
     if not 0.0 <= p <= 1.0:
         raise ValueError(f"dropout_p: expected a float in [0, 1], received {dropout_p!r}")
+    return p
+
+
+def request(p: float, seed: Any, offset: Any, *, need_seed: bool) -> Dropout | None:
+    """Validate ``dropout_seed`` and ``dropout_offset`` for a checked probability; None when p is 0.
+
+    Parameters
+    ----------
+    p : float
+        As returned by :func:`probability`.
+    need_seed : bool
+        True for the backward, which must regenerate the forward's mask: a missing seed is then an
+        error.  The forward draws a fresh seed when none is given.
+    """
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral)):
         raise TypeError(f"dropout_seed: expected an int in [0, 2**64) or None, received {seed!r}")
     if seed is not None and not 0 <= int(seed) < 2**64:
         raise ValueError(f"dropout_seed: expected an int in [0, 2**64) or None, received {seed!r}")
-    if isinstance(offset, bool) or not isinstance(offset, numbers.Integral):
+    if type(offset) is not int and (isinstance(offset, bool) or not isinstance(offset, numbers.Integral)):
         raise TypeError(f"dropout_offset: expected an int in [0, 2**32), received {offset!r}")
     if not 0 <= int(offset) < 2**32:
         raise ValueError(f"dropout_offset: expected an int in [0, 2**32), received {offset!r}")

@@ -8,8 +8,10 @@ caller's memory whatever the layout) and the :class:`AttentionExtras`.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from ._dropout import Dropout
 
@@ -86,6 +88,15 @@ class AttentionProblem:
     deterministic: bool = False
     dropout_p: float = 0.0
 
+    def __hash__(self) -> int:
+        # Problems key the caches of the registry and the backends, and a repeated call reuses the
+        # same problem object: its hash is computed once.
+        return self._hash
+
+    @functools.cached_property
+    def _hash(self) -> int:
+        return hash(tuple(getattr(self, field.name) for field in dataclasses.fields(self)))
+
     @property
     def group_size(self) -> int:
         """Query heads per kv head, ``Hq // Hkv``."""
@@ -123,8 +134,7 @@ class AttentionProblem:
         return ", ".join(features)
 
 
-@dataclass(frozen=True)
-class AttentionExtras:
+class AttentionExtras(NamedTuple):
     """The optional arrays of a call, as native (numpy or CuPy) arrays on the inputs' device.
 
     Attributes

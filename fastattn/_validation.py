@@ -1,21 +1,32 @@
-"""Validation of every public argument, once, before any backend runs.
+"""Validation of every public argument, once per call, before any backend runs.
 
 Each check raises ``TypeError`` (wrong kind of thing) or ``ValueError`` (right kind, wrong value)
 with a message that starts with the argument's name and says what was expected and what was
 received.  Nothing here writes into a caller's array.
+
+A call is validated in two parts.  What follows from the arrays' descriptions (framework, device,
+dtype, shape, strides) and the scalar options decides the :class:`AttentionProblem`; it is checked
+in full the first time such a call is seen and remembered under that description, so a decode
+loop that repeats one call shape pays one dictionary lookup for it.  A new array of the same
+description passes the same checks by construction: its device, dtype, shape and strides are the
+key.  What the description cannot vouch for is checked on every call (DESIGN.md §3, "What is
+scanned per call"): host ``key_lengths`` values, and the dropout seed and offset.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from . import _arrays, _dropout
+from ._options import AttentionOptions
 from ._problem import AttentionExtras, AttentionProblem, Causal, Direction, Layout
+from .backends import registry
 
 _LAYOUTS = ("bhsd", "bshd")
 #: The largest head_dim (and Dv) a call may have: four times the largest any released model uses;
@@ -23,16 +34,57 @@ _LAYOUTS = ("bhsd", "bshd")
 #: (a sequence axis passed as the head axis).
 MAX_HEAD_DIM = 1024
 _AXES = {"bhsd": "(B, H, S, D)", "bshd": "(B, S, H, D)"}
+_DEFAULT_LABELS = {"q": "q", "k": "k", "v": "v", "mask": "mask"}
+_HOST = _arrays.ArrayOrigin("numpy", "cpu", 0)
+#: How many validated call descriptions are remembered (oldest dropped first).
+CACHE_SIZE = 512
 
 
-@dataclass(frozen=True)
-class PreparedCall:
-    """A validated call: the problem, native ``(B, H, S, D)`` views and the extras."""
+class PreparedCall(NamedTuple):
+    """A validated call: the problem, native ``(B, H, S, D)`` views, the extras and the options.
+
+    Attributes
+    ----------
+    problem : AttentionProblem
+    arrays : dict of str to array
+        ``q``, ``k``, ``v`` (and ``dout``, ``out``, ``lse`` for a backward) as numpy or CuPy views
+        in ``(B, H, S, D)`` order; a copy only where the last axis was not contiguous.
+    extras : AttentionExtras
+    origin : ArrayOrigin
+        The caller's framework and device, to hand results back.
+    options : AttentionOptions
+        As the caller gave them (``return_lse`` and ``backend`` are read from here).
+    """
 
     problem: AttentionProblem
     arrays: dict[str, Any]
     extras: AttentionExtras
     origin: _arrays.ArrayOrigin
+    options: AttentionOptions
+
+
+@dataclass(frozen=True)
+class _Validated:
+    """What a call description decided, remembered for the next call with the same description.
+
+    Attributes
+    ----------
+    problem : AttentionProblem
+    copies : tuple of str
+        Arrays whose last axis is strided: a contiguous copy is made of each on every call.
+    mask_shape : tuple of four ints or None
+        The mask's shape with leading axes of size 1 added.
+    lengths_need_copy : bool
+        ``key_lengths`` is not a contiguous int64 array (the kernels read one).
+    """
+
+    problem: AttentionProblem
+    copies: tuple[str, ...]
+    mask_shape: tuple[int, int, int, int] | None
+    lengths_need_copy: bool
+
+
+_validated: dict[tuple[Any, ...], _Validated] = {}
 
 
 def causal_mode(causal: Any) -> Causal | None:
@@ -49,18 +101,14 @@ def causal_mode(causal: Any) -> Causal | None:
 
 
 def _real(name: str, value: Any) -> float:
+    if type(value) is float and math.isfinite(value):
+        return value
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name}: expected a real number, received {_arrays.describe_value(value)}")
     result = float(value)
     if not math.isfinite(result):
         raise ValueError(f"{name}: expected a finite number, received {value!r}")
     return result
-
-
-def _scale(scale: Any, head_dim: int) -> float:
-    if scale is None:
-        return 1.0 / math.sqrt(head_dim)
-    return _real("scale", scale)
 
 
 def _softcap(softcap: Any) -> float | None:
@@ -72,8 +120,8 @@ def _softcap(softcap: Any) -> float | None:
     return value
 
 
-def _window(window: Any, seq_q: int, seq_k: int) -> tuple[int, int] | None:
-    """Validate a window; a side of at least Sq + Sk hides nothing and becomes -1 (unbounded)."""
+def _window(window: Any) -> tuple[int, int] | None:
+    """Validate a window's type and sides (how far a side reaches is decided with the sizes)."""
     if window is None:
         return None
     if (
@@ -89,7 +137,15 @@ def _window(window: Any, seq_q: int, seq_k: int) -> tuple[int, int] | None:
         raise ValueError(
             f"window: expected sides >= 0, or -1 for unbounded, received ({left}, {right})"
         )
-    return tuple(-1 if side >= seq_q + seq_k else side for side in (left, right))  # type: ignore[return-value]
+    return left, right
+
+
+def _unbounded_sides(window: tuple[int, int] | None, seq_q: int, seq_k: int) -> tuple[int, int] | None:
+    """A side of at least Sq + Sk hides nothing and becomes -1 (unbounded)."""
+    if window is None:
+        return None
+    left, right = (-1 if side >= seq_q + seq_k else side for side in window)
+    return left, right
 
 
 def _layout(layout: Any) -> Layout:
@@ -98,14 +154,55 @@ def _layout(layout: Any) -> Layout:
     return layout
 
 
-def _native(name: str, value: Any, origin: _arrays.ArrayOrigin | None) -> tuple[Any, _arrays.ArrayOrigin]:
-    native, this_origin = _arrays.to_native(value, name)
-    if origin is not None and (this_origin.device, this_origin.device_id) != (origin.device, origin.device_id):
+def check_backend_argument(backend: Any) -> None:
+    """Check a ``backend=`` argument: None or the name of a registered backend.
+
+    Raises
+    ------
+    TypeError
+        ``backend`` is neither None nor a str.
+    ValueError
+        No backend of that name is registered.
+    """
+    if backend is None:
+        return
+    if not isinstance(backend, str):
+        raise TypeError(f"backend: expected a backend name (str) or None, received {backend!r}")
+    if not registry.is_registered(backend):
+        raise ValueError(f"backend: expected one of {registry.names()}, received {backend!r}")
+
+
+def _scalar_options(options: AttentionOptions, deterministic: Any) -> tuple[Any, ...]:
+    """Check the options that are not arrays; return them normalised (one type per value), as
+    they key the remembered validations."""
+    if options.return_lse is not False and options.return_lse is not True:
+        raise TypeError(f"return_lse: expected a bool, received {options.return_lse!r}")
+    check_backend_argument(options.backend)
+    if deterministic is not False and deterministic is not True:
+        raise TypeError(f"deterministic: expected a bool, received {_arrays.describe_value(deterministic)}")
+    return (
+        _layout(options.layout),
+        None if options.scale is None else _real("scale", options.scale),
+        causal_mode(options.causal),
+        _window(options.window),
+        _softcap(options.softcap),
+        _dropout.probability(options.dropout_p),
+        deterministic,
+    )
+
+
+def _native(name: str, value: Any) -> tuple[Any, _arrays.ArrayOrigin]:
+    if type(value) is np.ndarray:
+        return value, _HOST
+    return _arrays.to_native(value, name)
+
+
+def _same_device(name: str, origin: _arrays.ArrayOrigin, expected: _arrays.ArrayOrigin) -> None:
+    if (origin.device, origin.device_id) != (expected.device, expected.device_id):
         raise ValueError(
-            f"{name}: expected an array on the same device as q ({origin.describe()}), "
-            f"received one on {this_origin.describe()}"
+            f"{name}: expected an array on the same device as q ({expected.describe()}), "
+            f"received one on {origin.describe()}"
         )
-    return native, this_origin
 
 
 def _float_input(name: str, native: Any, expected_dtype: str | None) -> str:
@@ -135,12 +232,13 @@ def _element_strides(native: Any) -> tuple[int, int, int, int]:
     return tuple(stride // native.itemsize for stride in native.strides)
 
 
-def _mask(
-    name: str, mask: Any, origin: _arrays.ArrayOrigin, full_shape: tuple[int, int, int, int]
-) -> tuple[Any, str | None]:
-    if mask is None:
-        return None, None
-    native, _ = _native(name, mask, origin)
+def _needs_copy(native: Any) -> bool:
+    """Whether the last axis is strided (``_arrays.last_axis_contiguous`` would copy)."""
+    return bool(native.shape[-1] > 1 and native.strides[-1] != native.itemsize)
+
+
+def _mask(name: str, native: Any, full_shape: tuple[int, int, int, int]) -> tuple[tuple[int, ...], str]:
+    """Check a mask; return its four-axis shape and kind."""
     dtype = native.dtype
     if dtype == np.bool_:
         kind = "bool"
@@ -158,13 +256,11 @@ def _mask(
             f"{name}: expected a shape broadcastable to (B, Hq, Sq, Sk) = {full_shape}, "
             f"received {tuple(native.shape)}"
         )
-    return native.reshape((1,) * (4 - native.ndim) + tuple(native.shape)), kind
+    return (1,) * (4 - native.ndim) + tuple(native.shape), kind
 
 
-def _key_lengths(key_lengths: Any, origin: _arrays.ArrayOrigin, batch: int, seq_k: int) -> Any:
-    if key_lengths is None:
-        return None
-    native, _ = _native("key_lengths", key_lengths, origin)
+def _key_lengths(native: Any, batch: int) -> bool:
+    """Check ``key_lengths``' dtype and shape; return whether it needs a contiguous int64 copy."""
     if native.dtype.kind not in "iu":
         raise TypeError(
             f"key_lengths: expected an integer array of shape ({batch},), "
@@ -175,68 +271,37 @@ def _key_lengths(key_lengths: Any, origin: _arrays.ArrayOrigin, batch: int, seq_
             f"key_lengths: expected shape ({batch},) (one length per batch row), "
             f"received {tuple(native.shape)}"
         )
-    lengths = native.astype(np.int64)
-    if batch == 0:
-        return lengths
-    low, high = int(lengths.min()), int(lengths.max())
+    return bool(native.dtype != np.int64 or (batch > 1 and native.strides[0] != native.itemsize))
+
+
+def _lengths_in_range(lengths: Any, seq_k: int) -> None:
+    """Host ``key_lengths`` must lie in [0, Sk] (device ones are clamped by the kernels: no sync)."""
+    if not isinstance(lengths, np.ndarray) or lengths.size == 0:
+        return
+    values = lengths.tolist()
+    low, high = min(values), max(values)
     if low < 0 or high > seq_k:
         raise ValueError(
             f"key_lengths: expected values in [0, Sk={seq_k}], received values in [{low}, {high}]"
         )
-    return lengths
 
 
-def prepare(
+def _validate(
     direction: Direction,
-    arrays: dict[str, Any],
-    *,
-    causal: Any = False,
-    scale: Any = None,
-    mask: Any = None,
-    key_lengths: Any = None,
-    window: Any = None,
-    softcap: Any = None,
-    layout: Any = "bhsd",
-    dropout_p: Any = 0.0,
-    dropout_seed: Any = None,
-    dropout_offset: Any = 0,
-    labels: dict[str, str] | None = None,
-    deterministic: Any = False,
-) -> PreparedCall:
-    """Validate a call and build its problem.
-
-    Parameters
-    ----------
-    direction : {"forward", "backward"}
-        The pass the problem describes.
-    arrays : dict
-        ``q``, ``k``, ``v`` and, for the backward, ``dout``, ``out`` and ``lse``, as the caller
-        passed them (any supported framework).
-    causal, scale, mask, key_lengths, window, softcap, layout, dropout_p, dropout_seed, dropout_offset
-        As in :func:`fastattn.attention` (the backward needs the forward's ``dropout_seed``).
-    labels : dict, optional
-        The caller's names for ``q``, ``k``, ``v`` and ``mask`` in error messages (for
-        ``scaled_dot_product_attention``: query, key, value, attn_mask).
-    deterministic : bool
-        As in :func:`fastattn.attention_backward`.
-
-    Returns
-    -------
-    PreparedCall
-        Native arrays in ``(B, H, S, D)`` order (views of the caller's memory; a copy only where the
-        last axis was not contiguous), the problem, the extras and the caller's origin.
-    """
-    label = {"q": "q", "k": "k", "v": "v", "mask": "mask", **(labels or {})}
-    if not isinstance(deterministic, bool):
-        raise TypeError(f"deterministic: expected a bool, received {_arrays.describe_value(deterministic)}")
-    layout = _layout(layout)
-    native_q, origin = _native(label["q"], arrays["q"], None)
-    dtype = _float_input(label["q"], native_q, None)
-    natives = {"q": native_q}
+    natives: dict[str, Any],
+    origins: dict[str, _arrays.ArrayOrigin],
+    scalars: tuple[Any, ...],
+    label: dict[str, str],
+) -> _Validated:
+    """Every check that follows from the arrays' descriptions and the scalar options."""
+    layout, scale, causal, window, softcap, dropout_p, deterministic = scalars
+    origin = origins["q"]
+    for name in natives:
+        _same_device(label.get(name, name), origins[name], origin)
+    dtype = _float_input(label["q"], natives["q"], None)
     for name in ("k", "v"):
-        natives[name], _ = _native(label[name], arrays[name], origin)
         _float_input(label[name], natives[name], dtype)
-    bhsd = {name: _arrays.swap_layout(native, layout) for name, native in natives.items()}
+    bhsd = {name: _arrays.swap_layout(natives[name], layout) for name in ("q", "k", "v")}
     batch, heads_q, seq_q, head_dim = bhsd["q"].shape
     _, heads_kv, seq_k, _ = bhsd["k"].shape
     head_dim_v = bhsd["v"].shape[3]
@@ -262,11 +327,10 @@ def prepare(
     if direction == "backward":
         out_shape = (batch, heads_q, seq_q, head_dim_v)
         for name in ("dout", "out"):
-            native, _ = _native(name, arrays[name], origin)
-            _float_input(name, native, dtype)
-            bhsd[name] = _arrays.swap_layout(native, layout)
+            _float_input(name, natives[name], dtype)
+            bhsd[name] = _arrays.swap_layout(natives[name], layout)
             _check_shape(name, bhsd[name], out_shape, layout, "the attention output's shape")
-        lse, _ = _native("lse", arrays["lse"], origin)
+        lse = natives["lse"]
         lse_dtype = _arrays.accumulation_dtype(dtype).name
         if _arrays.dtype_name(lse.dtype) != lse_dtype:
             raise TypeError(
@@ -277,15 +341,18 @@ def prepare(
             raise ValueError(
                 f"lse: expected shape {(batch, heads_q, seq_q)} (B, Hq, Sq), received {tuple(lse.shape)}"
             )
-        bhsd["lse"] = lse
 
-    full_shape = (batch, heads_q, seq_q, seq_k)
-    mask_native, mask_kind = _mask(label["mask"], mask, origin, full_shape)
-    lengths = _key_lengths(key_lengths, origin, batch, seq_k)
-    dropout = _dropout.parse(dropout_p, dropout_seed, dropout_offset, need_seed=direction == "backward")
-    for name, native in bhsd.items():
-        if name != "lse":
-            bhsd[name] = _arrays.last_axis_contiguous(native)
+    mask_shape, mask_kind, mask_dtype = None, None, None
+    if "mask" in natives:
+        mask_shape, mask_kind = _mask(label["mask"], natives["mask"], (batch, heads_q, seq_q, seq_k))
+        mask_dtype = _arrays.dtype_name(natives["mask"].dtype)
+    lengths_need_copy = "key_lengths" in natives and _key_lengths(natives["key_lengths"], batch)
+    copies = tuple(name for name, native in bhsd.items() if _needs_copy(native))
+    strides = {
+        name: _element_strides(_arrays.namespace(native).ascontiguousarray(native) if name in copies else native)
+        for name, native in bhsd.items()
+        if name in ("q", "k", "v")
+    }
     problem = AttentionProblem(
         direction=direction,
         framework=origin.framework,
@@ -299,18 +366,132 @@ def prepare(
         head_dim=head_dim,
         head_dim_v=head_dim_v,
         layout=layout,
-        scale=_scale(scale, head_dim),
-        causal=causal_mode(causal),
-        window=_window(window, seq_q, seq_k),
-        softcap=_softcap(softcap),
+        scale=1.0 / math.sqrt(head_dim) if scale is None else scale,
+        causal=causal,
+        window=_unbounded_sides(window, seq_q, seq_k),
+        softcap=softcap,
         mask=mask_kind,  # type: ignore[arg-type]
-        mask_shape=None if mask_native is None else tuple(mask_native.shape),
-        mask_dtype=None if mask_native is None else _arrays.dtype_name(mask_native.dtype),
-        has_key_lengths=lengths is not None,
-        q_strides=_element_strides(bhsd["q"]),
-        k_strides=_element_strides(bhsd["k"]),
-        v_strides=_element_strides(bhsd["v"]),
+        mask_shape=mask_shape,  # type: ignore[arg-type]
+        mask_dtype=mask_dtype,
+        has_key_lengths="key_lengths" in natives,
+        q_strides=strides["q"],
+        k_strides=strides["k"],
+        v_strides=strides["v"],
         deterministic=deterministic,
-        dropout_p=0.0 if dropout is None else dropout.p,
+        dropout_p=dropout_p,
     )
-    return PreparedCall(problem, bhsd, AttentionExtras(mask_native, lengths, dropout), origin)
+    return _Validated(problem, copies, mask_shape, lengths_need_copy)  # type: ignore[arg-type]
+
+
+def _remember(key: tuple[Any, ...], validated: _Validated) -> None:
+    if len(_validated) >= CACHE_SIZE:
+        _validated.pop(next(iter(_validated)), None)
+    _validated[key] = validated
+
+
+def prepare(
+    direction: Direction,
+    arrays: dict[str, Any],
+    options: AttentionOptions,
+    *,
+    labels: dict[str, str] | None = None,
+    deterministic: Any = False,
+) -> PreparedCall:
+    """Validate a call and build its problem.
+
+    Parameters
+    ----------
+    direction : {"forward", "backward"}
+        The pass the problem describes.
+    arrays : dict
+        ``q``, ``k``, ``v`` and, for the backward, ``dout``, ``out`` and ``lse``, as the caller
+        passed them (any supported framework).
+    options : AttentionOptions
+        The call's options (the backward needs the forward's ``dropout_seed``).
+    labels : dict, optional
+        The caller's names for ``q``, ``k``, ``v`` and ``mask`` in error messages (for
+        ``scaled_dot_product_attention``: query, key, value, attn_mask).
+    deterministic : bool
+        As in :func:`fastattn.attention_backward`.
+
+    Returns
+    -------
+    PreparedCall
+        Native arrays in ``(B, H, S, D)`` order (views of the caller's memory; a copy only where the
+        last axis was not contiguous), the problem, the extras, the caller's origin and the options.
+    """
+    label = _DEFAULT_LABELS if labels is None else {**_DEFAULT_LABELS, **labels}
+    scalars = _scalar_options(options, deterministic)
+    natives: dict[str, Any] = {}
+    origins: dict[str, _arrays.ArrayOrigin] = {}
+    description: list[Any] = [direction, scalars]
+    for name, value in (*arrays.items(), ("mask", options.mask), ("key_lengths", options.key_lengths)):
+        if value is None and (name == "mask" or name == "key_lengths"):
+            description.append(None)
+            continue
+        if type(value) is np.ndarray:
+            native, origin = value, _HOST
+        else:
+            native, origin = _arrays.to_native(value, label.get(name, name))
+        natives[name] = native
+        origins[name] = origin
+        description += (origin, native.dtype, native.shape, native.strides)
+    key = tuple(description)
+    validated = _validated.get(key)
+    if validated is None:
+        validated = _validate(direction, natives, origins, scalars, label)
+        _remember(key, validated)
+    problem = validated.problem
+    bhsd = {name: natives[name] for name in arrays}
+    if problem.layout == "bshd":
+        for name in arrays:
+            if name != "lse":
+                bhsd[name] = bhsd[name].swapaxes(1, 2)
+    for name in validated.copies:
+        bhsd[name] = _arrays.namespace(bhsd[name]).ascontiguousarray(bhsd[name])
+    mask = natives.get("mask")
+    if mask is not None and mask.ndim != 4:
+        mask = mask.reshape(validated.mask_shape)
+    lengths = natives.get("key_lengths")
+    if lengths is not None:
+        if validated.lengths_need_copy:
+            lengths = lengths.astype(np.int64)
+        _lengths_in_range(lengths, problem.seq_k)
+    dropout = _dropout.request(
+        problem.dropout_p, options.dropout_seed, options.dropout_offset, need_seed=direction == "backward"
+    )
+    return PreparedCall(problem, bhsd, AttentionExtras(mask, lengths, dropout), origins["q"], options)
+
+
+@functools.lru_cache(maxsize=CACHE_SIZE)
+def backward_problem(forward: AttentionProblem, deterministic: bool = False) -> AttentionProblem:
+    """The backward twin of a forward problem (same sizes, options and strides of q, k, v)."""
+    return replace(forward, direction="backward", deterministic=deterministic)
+
+
+def prepare_gradient(forward: PreparedCall, out: Any, lse: Any, dout: Any) -> PreparedCall:
+    """The backward call of a forward that fastattn ran itself: only ``dout`` is new.
+
+    Parameters
+    ----------
+    forward : PreparedCall
+        The forward's validated call.
+    out, lse : native arrays
+        The forward's results as the backend returned them (``(B, H, S, D)`` order).
+    dout : array
+        The gradient of the output, in the caller's framework and layout: checked here for its
+        device, dtype and shape (the rest was checked by the forward).
+
+    Returns
+    -------
+    PreparedCall
+        The backward call, sharing the forward's arrays, extras and options.
+    """
+    problem = forward.problem
+    native, origin = _native("dout", dout)
+    _same_device("dout", origin, forward.origin)
+    _float_input("dout", native, problem.dtype)
+    view = _arrays.swap_layout(native, problem.layout)
+    _check_shape("dout", view, tuple(out.shape), problem.layout, "the attention output's shape")
+    arrays = {**forward.arrays, "dout": _arrays.last_axis_contiguous(view), "out": out, "lse": lse}
+    return PreparedCall(backward_problem(problem), arrays, forward.extras, forward.origin, forward.options)

@@ -10,8 +10,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from . import _arrays
-from ._validation import PreparedCall, prepare
+from . import _arrays, _validation
+from ._options import AttentionOptions
+from ._validation import PreparedCall
 from .backends import registry
 from .backends.registry import Explanation
 
@@ -21,22 +22,6 @@ __all__ = [
     "explain",
     "scaled_dot_product_attention",
 ]
-
-
-def check_backend_argument(backend: Any) -> None:
-    """Check a ``backend=`` argument: None or the name of a registered backend.
-
-    Raises
-    ------
-    TypeError
-        ``backend`` is neither None nor a str.
-    ValueError
-        No backend of that name is registered.
-    """
-    if backend is not None and not isinstance(backend, str):
-        raise TypeError(f"backend: expected a backend name (str) or None, received {backend!r}")
-    if backend is not None and backend not in registry.names():
-        raise ValueError(f"backend: expected one of {registry.names()}, received {backend!r}")
 
 
 def attention(
@@ -111,35 +96,47 @@ def attention(
         included), float32 (float64 for float64 inputs), in q's framework; ``-inf`` for a row that
         sees no key.
     """
-    if not isinstance(return_lse, bool):
-        raise TypeError(f"return_lse: expected a bool, received {return_lse!r}")
-    check_backend_argument(backend)
-    call = prepare(
-        "forward",
-        {"q": q, "k": k, "v": v},
-        causal=causal,
-        scale=scale,
-        mask=mask,
-        key_lengths=key_lengths,
-        window=window,
-        softcap=softcap,
-        layout=layout,
-        dropout_p=dropout_p,
-        dropout_seed=dropout_seed,
-        dropout_offset=dropout_offset,
-    )
-    return _forward(call, backend, return_lse=return_lse)
+    options = AttentionOptions(
+        causal, scale, mask, key_lengths, window, softcap, layout, dropout_p, dropout_seed, dropout_offset,
+        return_lse, backend,
+    )  # fmt: skip
+    return attention_with(q, k, v, options)
 
 
-def _forward(call: PreparedCall, backend: str | None, return_lse: bool = False) -> Any:
+def attention_with(q: Any, k: Any, v: Any, options: AttentionOptions) -> Any:
+    """:func:`attention` with its options as one object (what the layers and adapters call).
+
+    Parameters
+    ----------
+    q, k, v : arrays
+        As for :func:`attention`.
+    options : AttentionOptions
+        Every keyword of :func:`attention`.
+
+    Returns
+    -------
+    out, or (out, lse) with ``options.return_lse``
+        As :func:`attention` returns them.
+    """
+    return finish_forward(_validation.prepare("forward", {"q": q, "k": k, "v": v}, options))
+
+
+def run_forward(call: PreparedCall) -> tuple[Any, Any]:
+    """Run a prepared forward call on its backend; return native ``(out, lse)``, out in
+    ``(B, H, S, D)`` order (a view of memory laid out in the call's layout)."""
+    problem = call.problem
+    chosen = registry.select(problem, call.options.backend)
+    if problem.is_empty:
+        return _empty_forward(call)
+    arrays = call.arrays
+    return chosen.forward(problem, arrays["q"], arrays["k"], arrays["v"], call.extras)
+
+
+def finish_forward(call: PreparedCall) -> Any:
     """Run a prepared forward call and hand the results back in the caller's framework."""
-    chosen = registry.select(call.problem, backend)
-    if call.problem.is_empty:
-        out, lse = _empty_forward(call)
-    else:
-        out, lse = chosen.forward(call.problem, call.arrays["q"], call.arrays["k"], call.arrays["v"], call.extras)
+    out, lse = run_forward(call)
     result = _arrays.from_native(_arrays.swap_layout(out, call.problem.layout), call.origin)
-    if return_lse:
+    if call.options.return_lse:
         return result, _arrays.from_native(lse, call.origin)
     return result
 
@@ -212,33 +209,48 @@ def attention_backward(
         Summed likewise.  All three in the inputs' dtype, framework, device and layout; rows that
         see no key and keys that nobody sees get exactly zero gradient.
     """
-    check_backend_argument(backend)
-    call = prepare(
-        "backward",
-        {"q": q, "k": k, "v": v, "dout": dout, "out": out, "lse": lse},
-        causal=causal,
-        scale=scale,
-        mask=mask,
-        key_lengths=key_lengths,
-        window=window,
-        softcap=softcap,
-        layout=layout,
-        dropout_p=dropout_p,
-        dropout_seed=dropout_seed,
-        dropout_offset=dropout_offset,
-        deterministic=deterministic,
-    )
-    chosen = registry.select(call.problem, backend)
+    options = AttentionOptions(
+        causal, scale, mask, key_lengths, window, softcap, layout, dropout_p, dropout_seed, dropout_offset,
+        False, backend,
+    )  # fmt: skip
+    return attention_backward_with(dout, q, k, v, out, lse, options, deterministic=deterministic)
+
+
+def attention_backward_with(
+    dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, options: AttentionOptions, *, deterministic: bool = False
+) -> tuple[Any, Any, Any]:
+    """:func:`attention_backward` with the forward's options as one object.
+
+    Parameters
+    ----------
+    dout, q, k, v, out, lse, deterministic
+        As for :func:`attention_backward`.
+    options : AttentionOptions
+        The forward's options (``return_lse`` is ignored).
+
+    Returns
+    -------
+    dq, dk, dv
+        As :func:`attention_backward` returns them.
+    """
+    arrays = {"q": q, "k": k, "v": v, "dout": dout, "out": out, "lse": lse}
+    return finish_backward(_validation.prepare("backward", arrays, options, deterministic=deterministic))
+
+
+def finish_backward(call: PreparedCall) -> tuple[Any, Any, Any]:
+    """Run a prepared backward call and hand ``(dq, dk, dv)`` back in the caller's framework."""
+    problem = call.problem
+    chosen = registry.select(problem, call.options.backend)
     a = call.arrays
-    if call.problem.is_empty:
+    if problem.is_empty:
         grads = tuple(
-            _zeros_bhsd(_arrays.namespace(a[name]), tuple(a[name].shape), a[name].dtype, call.problem.layout)
+            _zeros_bhsd(_arrays.namespace(a[name]), tuple(a[name].shape), a[name].dtype, problem.layout)
             for name in ("q", "k", "v")
         )
     else:
-        grads = chosen.backward(call.problem, a["dout"], a["q"], a["k"], a["v"], a["out"], a["lse"], call.extras)
+        grads = chosen.backward(problem, a["dout"], a["q"], a["k"], a["v"], a["out"], a["lse"], call.extras)
     return tuple(
-        _arrays.from_native(_arrays.swap_layout(grad, call.problem.layout), call.origin) for grad in grads
+        _arrays.from_native(_arrays.swap_layout(grad, problem.layout), call.origin) for grad in grads
     )
 
 
@@ -270,23 +282,12 @@ def explain(
         ``chosen`` (forward), ``chosen_backward``, ``source`` of the choice, and ``reasons`` per
         registered backend.
     """
-    check_backend_argument(backend)
-    call: PreparedCall = prepare(
-        "forward",
-        {"q": q, "k": k, "v": v},
-        causal=causal,
-        scale=scale,
-        mask=mask,
-        key_lengths=key_lengths,
-        window=window,
-        softcap=softcap,
-        layout=layout,
-        dropout_p=dropout_p,
-        dropout_seed=dropout_seed,
-        dropout_offset=dropout_offset,
-    )
-    backward_problem = dataclasses.replace(call.problem, direction="backward")
-    return registry.explain_problem(call.problem, backward_problem, backend)
+    options = AttentionOptions(
+        causal, scale, mask, key_lengths, window, softcap, layout, dropout_p, dropout_seed, dropout_offset,
+        False, backend,
+    )  # fmt: skip
+    call = _validation.prepare("forward", {"q": q, "k": k, "v": v}, options)
+    return registry.explain_problem(call.problem, _validation.backward_problem(call.problem), backend)
 
 
 def scaled_dot_product_attention(
@@ -326,7 +327,7 @@ def scaled_dot_product_attention(
         zeros, not NaN.
     """
     arguments = sdpa_arguments(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-    out = _forward(arguments.call, None)
+    out = finish_forward(arguments.call)
     return out[:, 0] if arguments.unbatched_heads else out
 
 
@@ -363,6 +364,9 @@ def sdpa_arguments(
     is_causal: Any,
     scale: Any,
     enable_gqa: Any,
+    *,
+    dropout_seed: int | None = None,
+    backend: str | None = None,
 ) -> SdpaArguments:
     """Validate :func:`scaled_dot_product_attention`'s arguments the way PyTorch does.
 
@@ -372,6 +376,10 @@ def sdpa_arguments(
     ----------
     query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
         As given to :func:`scaled_dot_product_attention`.
+    dropout_seed : int, optional
+        The dropout mask's seed (``fastattn.torch`` draws it from torch's generator).
+    backend : str, optional
+        The backend to run on (``fastattn.torch`` fixes it when the forward runs).
 
     Returns
     -------
@@ -418,14 +426,12 @@ def sdpa_arguments(
             f"key: expected {query.shape[1]} heads like query (pass enable_gqa=True for grouped-query "
             f"attention), received {key.shape[1]}"
         )
-    call = prepare(
-        "forward",
-        {"q": query, "k": key, "v": value},
-        causal=is_causal,
-        scale=scale,
-        mask=attn_mask,
-        dropout_p=dropout_p,
-        labels={"q": "query", "k": "key", "v": "value", "mask": "attn_mask"},
+    options = AttentionOptions(
+        causal=is_causal, scale=scale, mask=attn_mask, dropout_p=dropout_p, dropout_seed=dropout_seed, backend=backend
     )
+    call = _validation.prepare("forward", {"q": query, "k": key, "v": value}, options, labels=_SDPA_LABELS)
     return SdpaArguments(call, query, key, value, attn_mask, unbatched_heads)
+
+
+_SDPA_LABELS = {"q": "query", "k": "key", "v": "value", "mask": "attn_mask"}
 

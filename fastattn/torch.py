@@ -25,7 +25,9 @@ from typing import Any
 import torch
 from torch.autograd.function import once_differentiable
 
-from . import functional
+from . import _arrays, _validation, functional
+from ._options import AttentionOptions
+from ._validation import PreparedCall
 from .backends import registry
 from .backends.registry import UnsupportedError
 
@@ -33,36 +35,55 @@ __all__ = ["attention", "scaled_dot_product_attention"]
 
 
 class _AttentionFunction(torch.autograd.Function):
-    """``(out, lse) = attention(q, k, v)`` with fastattn's backward; lse carries no gradient."""
+    """``(out, lse) = attention(q, k, v)`` with fastattn's backward; lse carries no gradient.
+
+    The forward's validated call is kept on the context, so the backward checks only ``dout``.
+    """
 
     @staticmethod
     def forward(
-        ctx: Any,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        mask: Any,
-        key_lengths: Any,
-        options: dict[str, Any],
+        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: PreparedCall
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        out, lse = functional.attention(q, k, v, mask=mask, key_lengths=key_lengths, return_lse=True, **options)
+        out_native, lse_native = functional.run_forward(call)
+        out, lse = _tensors(call, out_native, lse_native)
         ctx.mark_non_differentiable(lse)
-        extras = {"mask": mask, "key_lengths": key_lengths}
-        saved_extras = [name for name, value in extras.items() if isinstance(value, torch.Tensor)]
-        ctx.save_for_backward(q, k, v, out, lse, *(extras[name] for name in saved_extras))
-        ctx.saved_extra_names = saved_extras
-        ctx.other_extras = {name: value for name, value in extras.items() if name not in saved_extras}
-        ctx.options = options
+        # Saved so that autograd refuses a backward after any of them was modified in place.
+        extras = [x for x in (call.options.mask, call.options.key_lengths) if isinstance(x, torch.Tensor)]
+        ctx.save_for_backward(q, k, v, out, lse, *extras)
+        ctx.call = call
+        ctx.natives = out_native, lse_native
         return out, lse
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, dout: torch.Tensor, dlse: Any) -> tuple[Any, ...]:
-        q, k, v, out, lse, *extra_tensors = ctx.saved_tensors
-        extras = dict(ctx.other_extras, **dict(zip(ctx.saved_extra_names, extra_tensors)))
-        dq, dk, dv = functional.attention_backward(dout, q, k, v, out, lse, **extras, **ctx.options)
+        ctx.saved_tensors  # noqa: B018 (reading them is autograd's check for in-place changes)
+        out, lse = ctx.natives
+        call = _validation.prepare_gradient(ctx.call, out, lse, dout)
+        dq, dk, dv = functional.finish_backward(call)
         wanted = ctx.needs_input_grad
-        return (dq if wanted[0] else None, dk if wanted[1] else None, dv if wanted[2] else None, None, None, None)
+        return (dq if wanted[0] else None, dk if wanted[1] else None, dv if wanted[2] else None, None)
+
+
+def _tensors(call: PreparedCall, out: Any, lse: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """The backend's native ``(out, lse)`` as tensors in the caller's layout, sharing memory."""
+    result = _arrays.from_native(_arrays.swap_layout(out, call.problem.layout), call.origin)
+    return result, _arrays.from_native(lse, call.origin)
+
+
+def _run(call: PreparedCall, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` of a validated call: through autograd when a gradient can flow, else directly."""
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _AttentionFunction.apply(q, k, v, call)
+    return _tensors(call, *functional.run_forward(call))
+
+
+def _dropout_seed(dropout_p: Any, dropout_seed: Any) -> Any:
+    """A seed from torch's default generator when dropout is asked for without one (a bad
+    ``dropout_p`` is refused by the validation that follows)."""
+    if dropout_seed is None and dropout_p:
+        return int(torch.randint(0, 2**62, (1,), dtype=torch.int64).item())
+    return dropout_seed
 
 
 def _check_mask(name: str, mask: Any) -> None:
@@ -134,24 +155,13 @@ def attention(
     UnsupportedError
         The requested backend cannot run the call, or ``mask`` requires grad.
     """
-    if not isinstance(return_lse, bool):
-        raise TypeError(f"return_lse: expected a bool, received {return_lse!r}")
     _check_mask("mask", mask)
-    functional.check_backend_argument(backend)
-    if dropout_seed is None and dropout_p:  # (a bad dropout_p is refused by the validation below)
-        dropout_seed = int(torch.randint(0, 2**62, (1,), dtype=torch.int64).item())
-    options = {
-        "causal": causal,
-        "scale": scale,
-        "window": window,
-        "softcap": softcap,
-        "layout": layout,
-        "dropout_p": dropout_p,
-        "dropout_seed": dropout_seed,
-        "dropout_offset": dropout_offset,
-        "backend": registry.requested_backend(backend)[0],
-    }
-    out, lse = _AttentionFunction.apply(q, k, v, mask, key_lengths, options)
+    options = AttentionOptions(
+        causal, scale, mask, key_lengths, window, softcap, layout, dropout_p, _dropout_seed(dropout_p, dropout_seed),
+        dropout_offset, return_lse, registry.requested_backend(backend)[0],
+    )  # fmt: skip
+    call = _validation.prepare("forward", {"q": q, "k": k, "v": v}, options)
+    out, lse = _run(call, q, k, v)
     return (out, lse) if return_lse else out
 
 
@@ -193,14 +203,9 @@ def scaled_dot_product_attention(
         Unlike PyTorch, a row that sees no key gives zeros (and zero gradients), not NaN.
     """
     _check_mask("attn_mask", attn_mask)
-    arguments = functional.sdpa_arguments(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-    out = attention(
-        arguments.query,
-        arguments.key,
-        arguments.value,
-        causal=is_causal,
-        scale=scale,
-        mask=arguments.attn_mask,
-        dropout_p=dropout_p,
-    )
+    arguments = functional.sdpa_arguments(
+        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+        dropout_seed=_dropout_seed(dropout_p, None), backend=registry.requested_backend(None)[0],
+    )  # fmt: skip
+    out = _run(arguments.call, arguments.query, arguments.key, arguments.value)[0]
     return out[:, 0] if arguments.unbatched_heads else out

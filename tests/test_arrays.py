@@ -15,6 +15,7 @@ import pytest
 
 import fastattn
 from fastattn import _arrays, _validation
+from fastattn._options import AttentionOptions
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 B, HQ, HKV, SQ, SK, D, DV = 2, 4, 2, 5, 7, 8, 6
@@ -257,7 +258,7 @@ def test_swap_layout_is_a_view() -> None:
 def test_bshd_inputs_reach_backends_without_copy() -> None:
     """bshd and strided inputs are viewed, not copied; only a non-contiguous last axis is copied."""
     q, k, v = (_to_bshd(x) for x in _qkv(np.float32, seed=12))
-    call = _validation.prepare("forward", {"q": q, "k": k, "v": v}, layout="bshd")
+    call = _validation.prepare("forward", {"q": q, "k": k, "v": v}, AttentionOptions(layout="bshd"))
     for name, original in (("q", q), ("k", k), ("v", v)):
         native = call.arrays[name]
         assert np.shares_memory(native, original), name
@@ -265,11 +266,11 @@ def test_bshd_inputs_reach_backends_without_copy() -> None:
     assert call.problem.q_strides == (SQ * HQ * D, D, HQ * D, 1)
 
     stepped = np.zeros((B, HQ, 2 * SQ, D), np.float32)[:, :, ::2]
-    call = _validation.prepare("forward", {"q": stepped, "k": _qkv()[1], "v": _qkv()[2]})
+    call = _validation.prepare("forward", {"q": stepped, "k": _qkv()[1], "v": _qkv()[2]}, AttentionOptions())
     assert np.shares_memory(call.arrays["q"], stepped)
 
     fortran = np.asfortranarray(_qkv()[0])
-    call = _validation.prepare("forward", {"q": fortran, "k": _qkv()[1], "v": _qkv()[2]})
+    call = _validation.prepare("forward", {"q": fortran, "k": _qkv()[1], "v": _qkv()[2]}, AttentionOptions())
     assert not np.shares_memory(call.arrays["q"], fortran)
     assert call.arrays["q"].strides[-1] == fortran.itemsize
     assert np.array_equal(call.arrays["q"], fortran)

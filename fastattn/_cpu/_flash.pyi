@@ -1,52 +1,19 @@
 from typing import Any
 
-def forward(
-    q: Any,
-    k: Any,
-    v: Any,
-    out: Any,
-    lse: Any,
-    *,
-    scale: float,
-    softcap: float,
-    causal: bool,
-    offset: int,
-    window_left: int,
-    window_right: int,
-    mask: Any | None,
-    key_lengths: Any | None,
-    block_queries: int,
-    key_tile: int,
-    splits: int,
-    threads: int,
-    dropout_p: float = ...,
-    dropout_seed: int = ...,
-    dropout_offset: int = ...,
-) -> None: ...
+from .._problem import AttentionExtras, AttentionProblem
 
-def backward(
-    dout: Any,
-    q: Any,
-    k: Any,
-    v: Any,
-    out: Any,
-    lse: Any,
-    dq: Any,
-    dk: Any,
-    dv: Any,
-    *,
-    scale: float,
-    softcap: float,
-    causal: bool,
-    offset: int,
-    window_left: int,
-    window_right: int,
-    mask: Any | None,
-    key_lengths: Any | None,
-    block_queries: int,
-    key_tile: int,
-    threads: int,
-    dropout_p: float = ...,
-    dropout_seed: int = ...,
-    dropout_offset: int = ...,
-) -> None: ...
+class ForwardPlan:
+    def __init__(
+        self, problem: AttentionProblem, block_queries: int, key_tile: int, splits: int, threads: int
+    ) -> None: ...
+    @property
+    def threads(self) -> int: ...
+    def run(self, q: Any, k: Any, v: Any, extras: AttentionExtras) -> tuple[Any, Any]: ...
+
+class BackwardPlan:
+    def __init__(self, problem: AttentionProblem, block_queries: int, key_tile: int, threads: int) -> None: ...
+    @property
+    def threads(self) -> int: ...
+    def run(
+        self, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, extras: AttentionExtras
+    ) -> tuple[Any, Any, Any]: ...

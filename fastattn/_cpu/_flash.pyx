@@ -1,20 +1,41 @@
 # cython: language_level=3
 # distutils: language = c++
-"""Cython entry points of the CPU flash kernels: fill the kernels' parameters, run the work items
-in OpenMP ``prange`` loops with the GIL released and one scratch slab per thread.  The arithmetic
-lives in ``flash_forward.h`` (forward, decode, split-KV merge) and ``flash_backward.h``.
+"""Cython entry points of the CPU flash kernels.
+
+A plan (:class:`ForwardPlan`, :class:`BackwardPlan`) fills the kernels' parameter struct once from an
+:class:`~fastattn._problem.AttentionProblem` and its tiles: sizes, options, codes.  The backend keeps
+one plan per problem, so a repeated call only copies that struct, sets the arrays' addresses and
+strides (numpy's C API: no Python objects are made), and runs the work items in OpenMP ``prange``
+loops with the GIL released, on scratch the calling thread keeps (``thread_scratch.h``).  The arithmetic lives in
+``flash_forward.h`` (forward, decode, split-KV merge) and ``flash_backward.h``.
 """
 
+cimport numpy as cnp
 from libc.stdint cimport int64_t, uint32_t, uint64_t
+from libc.string cimport memset
 from cython.parallel cimport prange
 
-import ml_dtypes
 import numpy as np
+
+from .. import _arrays
+from .._codes import DTYPE_CODES, MASK_CODES
+
+cnp.import_array()
 
 cdef extern from "_omp_shim.h" nogil:
     int omp_get_thread_num()
 
+cdef extern from "thread_scratch.h" namespace "fastattn" nogil:
+    cdef enum ScratchSlot:
+        SCRATCH_TILES
+        SCRATCH_ROWS
+
+    char* thread_scratch(int slot, size_t size)
+
 cdef extern from "flash_forward.h" namespace "fastattn" nogil:
+    cdef enum DtypeCode:
+        DTYPE_FLOAT64
+
     cdef struct FwdParams:
         const char* q
         const char* k
@@ -79,237 +100,323 @@ cdef extern from "flash_forward.h" nogil:
     void fa_forward_item(const FwdParams* p, char* scratch, int64_t item)
     void fa_forward_combine(const FwdParams* p, int64_t index)
 
-_BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
-_DTYPE_CODES = {np.dtype(np.float32): 0, np.dtype(np.float64): 1, np.dtype(np.float16): 2, _BFLOAT16: 3}
-_MASK_CODES = {
-    np.dtype(np.bool_): 1,
-    np.dtype(np.float32): 2,
-    np.dtype(np.float64): 3,
-    np.dtype(np.float16): 4,
-    _BFLOAT16: 5,
-}
 
-
-cdef inline size_t _address(array):
-    return <size_t> array.__array_interface__["data"][0]
+cdef inline char* _data(array):
+    return <char*> cnp.PyArray_DATA(<cnp.ndarray> array)
 
 
 cdef void _strides(int64_t* dst, array, int count):
+    """The first ``count`` strides of a numpy array, in elements."""
+    cdef cnp.ndarray a = <cnp.ndarray> array
+    cdef int64_t itemsize = cnp.PyArray_ITEMSIZE(a)
+    cdef cnp.npy_intp* strides = cnp.PyArray_STRIDES(a)
     cdef int axis
     for axis in range(count):
-        dst[axis] = array.strides[axis] // array.itemsize
+        dst[axis] = strides[axis] // itemsize
 
 
-cdef void _fill(FwdParams* p, q, k, v, lse, double scale, double softcap, bint causal, int64_t offset,
-                int64_t window_left, int64_t window_right, mask, key_lengths, int64_t block_queries,
-                int64_t key_tile) except *:
-    """The fields forward and backward share: inputs, lse, sizes, options, tiles."""
-    cdef int axis
-    p.q = <const char*> _address(q)
-    p.k = <const char*> _address(k)
-    p.v = <const char*> _address(v)
-    p.lse = <char*> _address(lse)
-    _strides(p.q_stride, q, 3)
-    _strides(p.k_stride, k, 3)
-    _strides(p.v_stride, v, 3)
-    _strides(p.lse_stride, lse, 3)
-    p.batch, p.heads_q, p.seq_q, p.head_dim = q.shape
-    p.heads_kv, p.seq_k = k.shape[1], k.shape[2]
-    p.head_dim_v = v.shape[3]
-    p.group = p.heads_q // p.heads_kv
-    p.dtype = _DTYPE_CODES[q.dtype]
-    p.scale = scale
-    p.softcap = softcap
-    p.causal = causal
-    p.offset = offset
-    p.window_left = window_left
-    p.window_right = window_right
-    p.mask = NULL
-    p.mask_kind = 0
-    if mask is not None:
-        p.mask = <const char*> _address(mask)
-        p.mask_kind = _MASK_CODES[mask.dtype]
-        _strides(p.mask_stride, mask, 4)
-        for axis in range(4):
-            if mask.shape[axis] == 1:
-                p.mask_stride[axis] = 0
-    p.key_lengths = NULL
-    if key_lengths is not None:
-        p.key_lengths = <const int64_t*> _address(key_lengths)
+cdef void _fill_from_problem(FwdParams* p, problem, int64_t block_queries, int64_t key_tile) except *:
+    """Every field that follows from the problem and the tiles; the addresses are left null."""
+    memset(p, 0, sizeof(FwdParams))
+    p.batch = problem.batch
+    p.heads_q = problem.heads_q
+    p.heads_kv = problem.heads_kv
+    p.seq_q = problem.seq_q
+    p.seq_k = problem.seq_k
+    p.head_dim = problem.head_dim
+    p.head_dim_v = problem.head_dim_v
+    p.group = problem.group_size
+    p.dtype = DTYPE_CODES[problem.dtype]
+    p.scale = problem.scale
+    p.softcap = problem.softcap or 0.0
+    p.causal = problem.causal is not None
+    p.offset = problem.key_offset
+    if problem.window is None:
+        p.window_left = p.window_right = -1
+    else:
+        p.window_left, p.window_right = problem.window
+    p.mask_kind = MASK_CODES[problem.mask_dtype]
     p.block_queries = block_queries
     p.query_blocks = (p.seq_q + block_queries - 1) // block_queries
     p.key_tile = key_tile
     p.splits = 1
-    p.partial_out = p.partial_lse = NULL
-    p.out = NULL
-    p.skip_zero_weights = 0
-    p.nonfinite_output = NULL
-    p.dropout_p = 0.0
-    p.dropout_key[0] = p.dropout_key[1] = 0
-    p.dropout_offset = 0
-    p.dropout_threshold = 0
+    p.dropout_p = problem.dropout_p
+    p.dropout_threshold = <unsigned long long> (problem.dropout_p * 4294967296.0)
 
 
-cdef void _fill_dropout(FwdParams* p, double dropout_p, uint64_t seed, uint32_t offset):
-    """Dropout fields: the Philox key from the seed and the keep threshold (philox.h's layout)."""
-    p.dropout_p = dropout_p
-    p.dropout_key[0] = <unsigned int> (seed & 0xFFFFFFFF)
-    p.dropout_key[1] = <unsigned int> (seed >> 32)
-    p.dropout_offset = offset
-    p.dropout_threshold = <unsigned long long> (dropout_p * 4294967296.0)
+cdef void _set_call_inputs(FwdParams* p, q, k, v, lse, extras) except *:
+    """The per-call fields: input addresses and strides, the mask, key_lengths, the Philox key."""
+    cdef int axis
+    cdef uint64_t seed
+    mask, key_lengths, dropout = extras
+    p.q = _data(q)
+    p.k = _data(k)
+    p.v = _data(v)
+    p.lse = _data(lse)
+    _strides(p.q_stride, q, 3)
+    _strides(p.k_stride, k, 3)
+    _strides(p.v_stride, v, 3)
+    _strides(p.lse_stride, lse, 3)
+    if mask is not None:
+        p.mask = _data(mask)
+        _strides(p.mask_stride, mask, 4)
+        for axis in range(4):
+            if cnp.PyArray_DIMS(<cnp.ndarray> mask)[axis] == 1:
+                p.mask_stride[axis] = 0
+    if key_lengths is not None:
+        p.key_lengths = <const int64_t*> _data(key_lengths)
+    if dropout is not None:
+        seed = dropout.seed
+        p.dropout_key[0] = <unsigned int> (seed & 0xFFFFFFFF)
+        p.dropout_key[1] = <unsigned int> (seed >> 32)
+        p.dropout_offset = <uint32_t> dropout.offset
 
 
-cdef char* _slab(size_t per_thread, int threads, list keep) except NULL:
-    """One scratch slab per thread, 64-byte aligned; allocated here so failure is a MemoryError."""
-    slab = np.empty(threads * per_thread + 64, dtype=np.uint8)
-    keep.append(slab)
-    return <char*> ((_address(slab) + 63) // 64 * 64)
+cdef _empty(tuple shape, object dtype, int typenum, bint swap):
+    """An uninitialised result of ``shape`` (allocation order), viewed (B, H, S, D) when ``swap``.
+
+    ``typenum`` is numpy's number for the dtype, or -1 for bfloat16, which has none: its bits are
+    allocated as uint16 and viewed.
+    """
+    cdef cnp.npy_intp dims[4]
+    cdef int axis, ndim = len(shape)
+    for axis in range(ndim):
+        dims[axis] = shape[axis]
+    result = cnp.PyArray_EMPTY(ndim, dims, cnp.NPY_UINT16 if typenum < 0 else typenum, 0)
+    if typenum < 0:
+        result = result.view(dtype)
+    return result.swapaxes(1, 2) if swap else result
 
 
-def forward(q, k, v, out, lse, *, double scale, double softcap, bint causal, int64_t offset,
-            int64_t window_left, int64_t window_right, mask, key_lengths,
-            int64_t block_queries, int64_t key_tile, int64_t splits, int threads,
-            double dropout_p=0.0, uint64_t dropout_seed=0, uint32_t dropout_offset=0):
-    """Run the flash forward on (B, H, S, D)-ordered numpy arrays, writing ``out`` and ``lse``.
+cdef int _typenum(dtype):
+    return -1 if dtype == _arrays.bfloat16 else dtype.num
+
+
+cdef char* _scratch(int slot, size_t size) except NULL:
+    cdef char* block = thread_scratch(slot, size)
+    if block == NULL:
+        raise MemoryError(f"fastattn: could not allocate {size} bytes of kernel scratch")
+    return block
+
+
+ctypedef void (*ItemFunction)(const void* params, char* scratch, int64_t item) noexcept nogil
+
+
+cdef void _for_items(ItemFunction run, const void* params, char* scratch, size_t scratch_bytes, int64_t items,
+                     int threads, bint dynamic) noexcept nogil:
+    """``run(params, this thread's scratch, item)`` for every item, on ``threads`` OpenMP threads.
+
+    One thread runs the loop without a parallel region: starting one costs more than a small call's
+    whole kernel (libgomp wakes its pooled threads).
+    """
+    cdef int64_t index
+    if threads == 1:
+        for index in range(items):
+            run(params, scratch, index)
+    elif dynamic:
+        for index in prange(items, schedule="dynamic", num_threads=threads):
+            run(params, scratch + omp_get_thread_num() * scratch_bytes, index)
+    else:
+        for index in prange(items, schedule="static", num_threads=threads):
+            run(params, scratch + omp_get_thread_num() * scratch_bytes, index)
+
+
+cdef void _forward_item(const void* p, char* scratch, int64_t item) noexcept nogil:
+    fa_forward_item(<const FwdParams*> p, scratch, item)
+
+
+cdef void _combine_item(const void* p, char* scratch, int64_t item) noexcept nogil:
+    fa_forward_combine(<const FwdParams*> p, item)
+
+
+cdef void _delta_item(const void* p, char* scratch, int64_t item) noexcept nogil:
+    fa_backward_delta(<const BwdParams*> p, item)
+
+
+cdef void _dkdv_item(const void* p, char* scratch, int64_t item) noexcept nogil:
+    fa_backward_dkdv(<const BwdParams*> p, scratch, item)
+
+
+cdef void _dq_item(const void* p, char* scratch, int64_t item) noexcept nogil:
+    fa_backward_dq(<const BwdParams*> p, scratch, item)
+
+
+cdef class ForwardPlan:
+    """The forward kernel's parameters for one problem: fill once, run many times.
 
     Parameters
     ----------
-    q, k, v : numpy.ndarray
-        (B, Hq, Sq, D), (B, Hkv, Sk, D), (B, Hkv, Sk, Dv); one dtype among float32, float64,
-        float16, bfloat16; any strides with a contiguous last axis.
-    out : numpy.ndarray
-        (B, Hq, Sq, Dv) of q's dtype, written.
-    lse : numpy.ndarray
-        (B, Hq, Sq) float32 (float64 for float64 inputs), written.
-    scale, softcap : float
-        Score multiplier; softcap 0 means none.
-    causal : bool
-        Hide keys right of the query's position ``i + offset``.
-    offset : int
-        Key position of query 0 (``Sk - Sq`` for bottom-right alignment, else 0).
-    window_left, window_right : int
-        Sliding window sides, -1 for unbounded.
-    mask : numpy.ndarray or None
-        Four-axis (B|1, Hq|1, Sq|1, Sk|1) bool or float array, read by strides.
-    key_lengths : numpy.ndarray or None
-        C-contiguous int64 (B,).
+    problem : AttentionProblem
+        A validated forward problem on host arrays.
     block_queries, key_tile, splits : int
         Query positions per work item, keys per tile, key splits per item (decode).
     threads : int
         OpenMP threads for the parallel regions (capped at the number of work items).
-    dropout_p, dropout_seed, dropout_offset : float, int, int
-        Attention dropout (philox.h's mask); p = 0 for none.
     """
-    cdef FwdParams p
+
+    cdef FwdParams template
     cdef int64_t items
+    cdef int thread_count
     cdef size_t scratch_bytes
-    cdef char* scratch
-    keep = []
-    _fill(&p, q, k, v, lse, scale, softcap, causal, offset, window_left, window_right, mask,
-          key_lengths, block_queries, key_tile)
-    _fill_dropout(&p, dropout_p, dropout_seed, dropout_offset)
-    p.out = <char*> _address(out)
-    _strides(p.out_stride, out, 3)
-    p.splits = splits
-    if splits > 1:
-        compute = np.float64 if p.dtype == 1 else np.float32
-        partial_lse = np.empty(fa_forward_partial_elements(&p), dtype=compute)
-        partial_out = np.empty(fa_forward_partial_elements(&p) * p.head_dim_v, dtype=compute)
-        keep += [partial_lse, partial_out]
-        p.partial_out = <char*> _address(partial_out)
-        p.partial_lse = <char*> _address(partial_lse)
+    cdef size_t partial_elements
+    cdef tuple out_shape, lse_shape
+    cdef object dtype, lse_dtype
+    cdef int typenum, lse_typenum
+    cdef bint swap
 
-    items = fa_forward_items(&p)
-    threads = max(1, min(threads, items))
-    scratch_bytes = (fa_forward_scratch_bytes(&p) + 63) // 64 * 64
-    scratch = _slab(scratch_bytes, threads, keep)
-    cdef int nonfinite = 0
-    p.nonfinite_output = &nonfinite
-    with nogil:
-        _forward_pass(&p, scratch, scratch_bytes, items, threads)
-        if nonfinite:  # see note_stored in flash_forward.h: rerun skipping zero-weight products
-            p.skip_zero_weights = 1
-            _forward_pass(&p, scratch, scratch_bytes, items, threads)
+    def __init__(self, problem, int64_t block_queries, int64_t key_tile, int64_t splits, int threads):
+        _fill_from_problem(&self.template, problem, block_queries, key_tile)
+        self.template.splits = splits
+        self.items = fa_forward_items(&self.template)
+        self.thread_count = max(1, min(threads, self.items))
+        self.scratch_bytes = (fa_forward_scratch_bytes(&self.template) + 63) // 64 * 64
+        self.partial_elements = fa_forward_partial_elements(&self.template) if splits > 1 else 0
+        self.swap = problem.layout == "bshd"
+        shape = (problem.batch, problem.heads_q, problem.seq_q, problem.head_dim_v)
+        self.out_shape = (shape[0], shape[2], shape[1], shape[3]) if self.swap else shape
+        self.lse_shape = shape[:3]
+        self.dtype = _arrays.numpy_dtype(problem.dtype)
+        self.lse_dtype = _arrays.accumulation_dtype(problem.dtype)
+        self.typenum = _typenum(self.dtype)
+        self.lse_typenum = _typenum(self.lse_dtype)
+
+    @property
+    def threads(self):
+        """The OpenMP threads a run uses."""
+        return self.thread_count
+
+    def run(self, q, k, v, extras):
+        """Run the flash forward.
+
+        Parameters
+        ----------
+        q, k, v : numpy.ndarray
+            (B, Hq, Sq, D), (B, Hkv, Sk, D), (B, Hkv, Sk, Dv) of the problem's dtype, any strides with
+            a contiguous last axis.
+        extras : AttentionExtras
+            ``mask``: four-axis (B|1, Hq|1, Sq|1, Sk|1) bool or float array, read by strides, or None;
+            ``key_lengths``: C-contiguous int64 (B,) or None; ``dropout``: the call's seed and
+            offset (the probability is the problem's) or None.
+
+        Returns
+        -------
+        out : numpy.ndarray
+            (B, Hq, Sq, Dv) of q's dtype, contiguous in the problem's layout.
+        lse : numpy.ndarray
+            (B, Hq, Sq) float32 (float64 for float64 inputs).
+        """
+        cdef FwdParams p = self.template
+        cdef size_t compute_bytes = 8 if p.dtype == DTYPE_FLOAT64 else 4
+        cdef char* scratch = _scratch(SCRATCH_TILES, self.scratch_bytes * self.thread_count)
+        cdef int nonfinite = 0
+        out = _empty(self.out_shape, self.dtype, self.typenum, self.swap)
+        lse = _empty(self.lse_shape, self.lse_dtype, self.lse_typenum, False)
+        _set_call_inputs(&p, q, k, v, lse, extras)
+        p.out = _data(out)
+        _strides(p.out_stride, out, 3)
+        p.nonfinite_output = &nonfinite
+        if p.splits > 1:
+            p.partial_out = _scratch(SCRATCH_ROWS, self.partial_elements * (p.head_dim_v + 1) * compute_bytes)
+            p.partial_lse = p.partial_out + self.partial_elements * p.head_dim_v * compute_bytes
+        with nogil:
+            self._pass(&p, scratch)
+            if nonfinite:  # see note_stored in flash_forward.h: rerun skipping zero-weight products
+                p.skip_zero_weights = 1
+                self._pass(&p, scratch)
+        return out, lse
+
+    cdef void _pass(self, FwdParams* p, char* scratch) noexcept nogil:
+        _for_items(_forward_item, p, scratch, self.scratch_bytes, self.items, self.thread_count, True)
+        if p.splits > 1:
+            _for_items(_combine_item, p, NULL, 0, p.batch * p.heads_kv * p.query_blocks, self.thread_count, False)
 
 
-cdef void _forward_pass(FwdParams* p, char* scratch, size_t scratch_bytes, int64_t items, int threads) noexcept nogil:
-    cdef int64_t index, combines
-    for index in prange(items, schedule="dynamic", num_threads=threads):
-        fa_forward_item(p, scratch + omp_get_thread_num() * scratch_bytes, index)
-    if p.splits > 1:
-        combines = p.batch * p.heads_kv * p.query_blocks
-        for index in prange(combines, schedule="static", num_threads=threads):
-            fa_forward_combine(p, index)
-
-
-def backward(dout, q, k, v, out, lse, dq, dk, dv, *, double scale, double softcap, bint causal,
-             int64_t offset, int64_t window_left, int64_t window_right, mask, key_lengths,
-             int64_t block_queries, int64_t key_tile, int threads,
-             double dropout_p=0.0, uint64_t dropout_seed=0, uint32_t dropout_offset=0):
-    """Run the flash backward, writing ``dq``, ``dk`` and ``dv``.
+cdef class BackwardPlan:
+    """The backward kernels' parameters for one problem: fill once, run many times.
 
     Parameters
     ----------
-    dout, out : numpy.ndarray
-        (B, Hq, Sq, Dv) in q's dtype: the output's gradient and the forward's output.
-    q, k, v, lse
-        The forward's inputs and its saved lse (float32; float64 for float64 inputs).
-    dq, dk, dv : numpy.ndarray
-        Shaped and typed like q, k, v; written (dk, dv summed over each kv head's group).
-    scale, softcap, causal, offset, window_left, window_right, mask, key_lengths
-        As for :func:`forward`.
+    problem : AttentionProblem
+        A validated backward problem on host arrays.
     block_queries, key_tile : int
         Query positions per tile (all heads of a group stacked), keys per block.
     threads : int
         OpenMP threads.
-    dropout_p, dropout_seed, dropout_offset : float, int, int
-        The forward's dropout, regenerated.
     """
-    cdef BwdParams p
-    cdef int64_t index, rows, key_items, query_items
+
+    cdef BwdParams template
+    cdef int thread_count
     cdef size_t scratch_bytes
-    cdef char* scratch
-    cdef int used
-    keep = []
-    _fill(&p.f, q, k, v, lse, scale, softcap, causal, offset, window_left, window_right, mask,
-          key_lengths, block_queries, key_tile)
-    _fill_dropout(&p.f, dropout_p, dropout_seed, dropout_offset)
-    p.dout = <const char*> _address(dout)
-    p.out = <const char*> _address(out)
-    p.dq = <char*> _address(dq)
-    p.dk = <char*> _address(dk)
-    p.dv = <char*> _address(dv)
-    _strides(p.dout_stride, dout, 3)
-    _strides(p.o_stride, out, 3)
-    _strides(p.dq_stride, dq, 3)
-    _strides(p.dk_stride, dk, 3)
-    _strides(p.dv_stride, dv, 3)
-    delta = np.empty(q.shape[0] * q.shape[1] * q.shape[2], dtype=lse.dtype)
-    keep.append(delta)
-    p.delta = <char*> _address(delta)
-    p.key_blocks = (p.f.seq_k + key_tile - 1) // key_tile
+    cdef tuple shapes
+    cdef object dtype
+    cdef int typenum
+    cdef bint swap
 
-    rows = p.f.batch * p.f.heads_q * p.f.seq_q
-    key_items = p.f.batch * p.f.heads_kv * p.key_blocks
-    query_items = p.f.batch * p.f.heads_kv * p.f.query_blocks
-    used = max(1, threads)
-    scratch_bytes = (fa_backward_scratch_bytes(&p) + 63) // 64 * 64
-    scratch = _slab(scratch_bytes, used, keep)
-    cdef int nonfinite = 0
-    p.f.nonfinite_output = &nonfinite
-    with nogil:
-        for index in prange(rows, schedule="static", num_threads=used):
-            fa_backward_delta(&p, index)
-        _gradient_passes(&p, scratch, scratch_bytes, key_items, query_items, used)
-        if nonfinite:  # see note_stored in flash_forward.h: rerun skipping zero-weight products
-            p.f.skip_zero_weights = 1
-            _gradient_passes(&p, scratch, scratch_bytes, key_items, query_items, used)
+    def __init__(self, problem, int64_t block_queries, int64_t key_tile, int threads):
+        memset(&self.template, 0, sizeof(BwdParams))
+        _fill_from_problem(&self.template.f, problem, block_queries, key_tile)
+        self.template.key_blocks = (self.template.f.seq_k + key_tile - 1) // key_tile
+        self.thread_count = max(1, threads)
+        self.scratch_bytes = (fa_backward_scratch_bytes(&self.template) + 63) // 64 * 64
+        self.swap = problem.layout == "bshd"
+        b, hq, hkv, sq, sk = problem.batch, problem.heads_q, problem.heads_kv, problem.seq_q, problem.seq_k
+        shapes = ((b, hq, sq, problem.head_dim), (b, hkv, sk, problem.head_dim), (b, hkv, sk, problem.head_dim_v))
+        self.shapes = tuple((x[0], x[2], x[1], x[3]) if self.swap else x for x in shapes)
+        self.dtype = _arrays.numpy_dtype(problem.dtype)
+        self.typenum = _typenum(self.dtype)
 
+    @property
+    def threads(self):
+        """The OpenMP threads a run uses."""
+        return self.thread_count
 
-cdef void _gradient_passes(BwdParams* p, char* scratch, size_t scratch_bytes, int64_t key_items,
-                           int64_t query_items, int threads) noexcept nogil:
-    cdef int64_t index
-    for index in prange(key_items, schedule="dynamic", num_threads=threads):
-        fa_backward_dkdv(p, scratch + omp_get_thread_num() * scratch_bytes, index)
-    for index in prange(query_items, schedule="dynamic", num_threads=threads):
-        fa_backward_dq(p, scratch + omp_get_thread_num() * scratch_bytes, index)
+    def run(self, dout, q, k, v, out, lse, extras):
+        """Run the flash backward.
+
+        Parameters
+        ----------
+        dout, out : numpy.ndarray
+            (B, Hq, Sq, Dv) in q's dtype: the output's gradient and the forward's output.
+        q, k, v, lse
+            The forward's inputs and its saved lse (float32; float64 for float64 inputs).
+        extras : AttentionExtras
+            As for :meth:`ForwardPlan.run`.
+
+        Returns
+        -------
+        dq, dk, dv : numpy.ndarray
+            Shaped and typed like q, k, v, contiguous in the problem's layout (dk, dv summed over
+            each kv head's group).
+        """
+        cdef BwdParams p = self.template
+        cdef int64_t rows = p.f.batch * p.f.heads_q * p.f.seq_q
+        cdef size_t compute_bytes = 8 if p.f.dtype == DTYPE_FLOAT64 else 4
+        cdef char* scratch = _scratch(SCRATCH_TILES, self.scratch_bytes * self.thread_count)
+        cdef int nonfinite = 0
+        dq, dk, dv = [_empty(shape, self.dtype, self.typenum, self.swap) for shape in self.shapes]
+        _set_call_inputs(&p.f, q, k, v, lse, extras)
+        p.dout = _data(dout)
+        p.out = _data(out)
+        p.dq = _data(dq)
+        p.dk = _data(dk)
+        p.dv = _data(dv)
+        _strides(p.dout_stride, dout, 3)
+        _strides(p.o_stride, out, 3)
+        _strides(p.dq_stride, dq, 3)
+        _strides(p.dk_stride, dk, 3)
+        _strides(p.dv_stride, dv, 3)
+        p.delta = _scratch(SCRATCH_ROWS, rows * compute_bytes)
+        p.f.nonfinite_output = &nonfinite
+        with nogil:
+            _for_items(_delta_item, &p, NULL, 0, rows, self.thread_count, False)
+            self._gradient_passes(&p, scratch)
+            if nonfinite:  # see note_stored in flash_forward.h: rerun skipping zero-weight products
+                p.f.skip_zero_weights = 1
+                self._gradient_passes(&p, scratch)
+        return dq, dk, dv
+
+    cdef void _gradient_passes(self, BwdParams* p, char* scratch) noexcept nogil:
+        cdef int64_t key_items = p.f.batch * p.f.heads_kv * p.key_blocks
+        cdef int64_t query_items = p.f.batch * p.f.heads_kv * p.f.query_blocks
+        _for_items(_dkdv_item, p, scratch, self.scratch_bytes, key_items, self.thread_count, True)
+        _for_items(_dq_item, p, scratch, self.scratch_bytes, query_items, self.thread_count, True)

@@ -45,6 +45,7 @@
 
 namespace fastattn {
 
+// The numbers of fastattn/_codes.py (tests/test_codes.py checks them against it and the CUDA headers).
 enum DtypeCode { DTYPE_FLOAT32 = 0, DTYPE_FLOAT64 = 1, DTYPE_FLOAT16 = 2, DTYPE_BFLOAT16 = 3 };
 enum MaskKind { MASK_NONE = 0, MASK_BOOL = 1, MASK_FLOAT32 = 2, MASK_FLOAT64 = 3, MASK_FLOAT16 = 4, MASK_BFLOAT16 = 5 };
 

@@ -15,11 +15,12 @@ from typing import Any
 
 import numpy as np
 
+from .._codes import MASK_CODES
 from .._problem import AttentionExtras, AttentionProblem
 
 KERNELS = Path(__file__).with_name("kernels")
-#: Float mask dtypes the kernels read (the MaskKind values of the sources); bool is 1.
-MASK_KINDS = {"bool": 1, "float32": 2, "float16": 3, "bfloat16": 4}
+#: The mask kinds the GPU kernels read, with their codes (``fastattn/_codes.py``; no float64 mask).
+MASK_KINDS = {name: code for name, code in MASK_CODES.items() if name not in (None, "float64")}
 #: C++ element type of each input dtype of the tensor-core kernels.
 ELEMENTS = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
 _INCLUDE = re.compile(r'^#include "([A-Za-z0-9_]+\.cuh)"$', re.MULTILINE)

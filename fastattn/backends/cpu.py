@@ -7,12 +7,11 @@ algorithms and tile sizes.  Every contract feature is handled inside the kernels
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
-import numpy as np
-
-from .. import _arrays, _threads
+from .. import _threads
 from .._cpu import _flash, _runtime
 from .._problem import AttentionExtras, AttentionProblem
 
@@ -53,25 +52,25 @@ def plan(problem: AttentionProblem, threads: int) -> tuple[int, int]:
 SINGLE_THREAD_WORK = 1 << 20
 
 
-def _kernel_options(problem: AttentionProblem, extras: AttentionExtras) -> dict[str, Any]:
-    """The keyword arguments that the forward and backward kernels share."""
-    left, right = problem.window if problem.window is not None else (-1, -1)
+def _threads_for(problem: AttentionProblem, threads: int) -> int:
+    """The calling thread alone for small problems, else the configured count."""
     work = problem.batch * problem.heads_q * problem.seq_q * problem.seq_k * (problem.head_dim + problem.head_dim_v)
-    return {
-        "scale": problem.scale,
-        "softcap": problem.softcap or 0.0,
-        "causal": problem.causal is not None,
-        "offset": problem.key_offset,
-        "window_left": left,
-        "window_right": right,
-        "mask": extras.mask,
-        "key_lengths": extras.key_lengths,
-        "key_tile": KEY_TILE,
-        "threads": 1 if work < SINGLE_THREAD_WORK else _threads.get_num_threads(),
-        "dropout_p": problem.dropout_p,
-        "dropout_seed": 0 if extras.dropout is None else extras.dropout.seed,
-        "dropout_offset": 0 if extras.dropout is None else extras.dropout.offset,
-    }
+    return 1 if work < SINGLE_THREAD_WORK else threads
+
+
+@functools.lru_cache(maxsize=256)
+def forward_plan(problem: AttentionProblem, threads: int) -> _flash.ForwardPlan:
+    """The forward kernel's parameters for ``problem`` with ``threads`` configured, built once."""
+    threads = _threads_for(problem, threads)
+    block_queries, splits = plan(problem, threads)
+    return _flash.ForwardPlan(problem, block_queries, KEY_TILE, splits, threads)
+
+
+@functools.lru_cache(maxsize=256)
+def backward_plan(problem: AttentionProblem, threads: int) -> _flash.BackwardPlan:
+    """The backward kernels' parameters for ``problem`` with ``threads`` configured, built once."""
+    block_queries = max(1, TILE_ROWS // problem.group_size)
+    return _flash.BackwardPlan(problem, block_queries, KEY_TILE, _threads_for(problem, threads))
 
 
 class CpuBackend:
@@ -94,14 +93,7 @@ class CpuBackend:
         self, problem: AttentionProblem, q: Any, k: Any, v: Any, extras: AttentionExtras
     ) -> tuple[Any, Any]:
         """Return ``(out, lse)`` computed by the flash kernel."""
-        out = _arrays.empty_bhsd(
-            np, (problem.batch, problem.heads_q, problem.seq_q, problem.head_dim_v), q.dtype, problem.layout
-        )
-        lse = np.empty((problem.batch, problem.heads_q, problem.seq_q), _arrays.accumulation_dtype(problem.dtype))
-        options = _kernel_options(problem, extras)
-        block_queries, splits = plan(problem, options["threads"])
-        _flash.forward(q, k, v, out, lse, block_queries=block_queries, splits=splits, **options)
-        return out, lse
+        return forward_plan(problem, _threads.get_num_threads()).run(q, k, v, extras)
 
     def backward(
         self,
@@ -115,9 +107,4 @@ class CpuBackend:
         extras: AttentionExtras,
     ) -> tuple[Any, Any, Any]:
         """Return ``(dq, dk, dv)`` computed by the flash backward (deterministic at any thread count)."""
-        grads = tuple(_arrays.empty_bhsd(np, x.shape, x.dtype, problem.layout) for x in (q, k, v))
-        block_queries = max(1, TILE_ROWS // problem.group_size)
-        _flash.backward(
-            dout, q, k, v, out, lse, *grads, block_queries=block_queries, **_kernel_options(problem, extras)
-        )
-        return grads
+        return backward_plan(problem, _threads.get_num_threads()).run(dout, q, k, v, out, lse, extras)

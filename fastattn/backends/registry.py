@@ -22,6 +22,19 @@ from typing import Any, Protocol, runtime_checkable
 from .._problem import AttentionExtras, AttentionProblem
 
 ENV_VARIABLE = "FASTATTN_BACKEND"
+# The variable is read on every call (it may change at run time).  ``os.environ.get`` costs about
+# 0.6 us when the variable is unset (a KeyError raised and caught inside the mapping); CPython's
+# environ keeps its encoded entries in ``_data``, which is read directly where it exists.
+_ENVIRON_DATA: dict[Any, Any] | None = getattr(os.environ, "_data", None)
+_ENVIRON_KEY: Any = getattr(os.environ, "encodekey", lambda key: key)(ENV_VARIABLE)
+
+
+def _environment_request() -> str:
+    """The stripped value of ``FASTATTN_BACKEND`` ("" when unset)."""
+    if _ENVIRON_DATA is None:
+        return os.environ.get(ENV_VARIABLE, "").strip()
+    value = _ENVIRON_DATA.get(_ENVIRON_KEY)
+    return "" if value is None else str(os.environ.decodevalue(value)).strip()
 
 
 class UnsupportedError(RuntimeError):
@@ -52,7 +65,11 @@ class Backend(Protocol):
     priority: int
 
     def not_supported_reasons(self, problem: AttentionProblem) -> list[str]:
-        """Return why this backend cannot run ``problem``; empty when it can."""
+        """Return why this backend cannot run ``problem``; empty when it can.
+
+        A function of the problem alone: the registry remembers which backend a problem selected
+        (until a backend is registered or removed).
+        """
         ...
 
     def forward(
@@ -93,6 +110,11 @@ class BackendStatus:
 class _Registry:
     backends: dict[str, Backend] = field(default_factory=dict)
     unavailable: dict[str, str] = field(default_factory=dict)
+    #: (problem, requested name or None) -> the backend select() chose; emptied on every change.
+    selected: dict[tuple[AttentionProblem, str | None], Backend] = field(default_factory=dict)
+
+    def changed(self) -> None:
+        self.selected.clear()
 
 
 _registry = _Registry()
@@ -127,23 +149,31 @@ def register(backend: Backend, *, replace: bool = False) -> None:
         raise ValueError(f"backend: a backend named {backend.name!r} is already registered")
     _registry.unavailable.pop(backend.name, None)
     _registry.backends[backend.name] = backend
+    _registry.changed()
 
 
 def register_unavailable(name: str, reason: str) -> None:
     """Record a backend that could not be loaded, with the reason shown by ``available()``."""
     if name not in _registry.backends:
         _registry.unavailable[name] = reason
+        _registry.changed()
 
 
 def unregister(name: str) -> None:
     """Remove a backend (available or not) from the registry."""
     _registry.backends.pop(name, None)
     _registry.unavailable.pop(name, None)
+    _registry.changed()
 
 
 def names() -> list[str]:
     """Return every registered name, available or not."""
     return sorted(set(_registry.backends) | set(_registry.unavailable))
+
+
+def is_registered(name: str) -> bool:
+    """Whether ``name`` is registered, available or not."""
+    return name in _registry.backends or name in _registry.unavailable
 
 
 def get(name: str) -> Backend:
@@ -204,9 +234,10 @@ def requested_backend(argument: str | None) -> tuple[str | None, str]:
     """Return the explicitly requested backend name, if any, and where the request came from."""
     if argument is not None:
         return argument, "the backend= argument"
-    if _requested.get() is not None:
-        return _requested.get(), "use_backend()"
-    from_env = os.environ.get(ENV_VARIABLE, "").strip()
+    requested = _requested.get()
+    if requested is not None:
+        return requested, "use_backend()"
+    from_env = _environment_request()
     if from_env:
         return from_env, f"the {ENV_VARIABLE} environment variable"
     return None, "automatic selection"
@@ -227,6 +258,21 @@ def select(problem: AttentionProblem, argument: str | None = None) -> Backend:
         The requested backend cannot run it, or (automatic selection) none can.
     """
     name, source = requested_backend(argument)
+    remembered = _registry.selected.get((problem, name))
+    if remembered is not None:
+        return remembered
+    backend = _select(problem, name, source)
+    if len(_registry.selected) >= _SELECTIONS_KEPT:
+        _registry.selected.clear()
+    _registry.selected[(problem, name)] = backend
+    return backend
+
+
+#: How many (problem, request) selections are remembered before the memory starts afresh.
+_SELECTIONS_KEPT = 1024
+
+
+def _select(problem: AttentionProblem, name: str | None, source: str) -> Backend:
     if name is not None:
         backend = get(name)
         reasons = _reasons(backend, problem)

@@ -12,48 +12,13 @@ Two translations live here:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
 import numpy as np
 
 from .. import _arrays
-
-
-@dataclass(frozen=True)
-class AttentionOptions:
-    """Keyword arguments of one :func:`fastattn.attention` call (and its backward).
-
-    Attributes
-    ----------
-    causal : {False, "top_left", "bottom_right"}
-    mask : array or None
-        fastattn convention, broadcastable to ``(B, Hq, Sq, Sk)``.
-    key_lengths : int array (B,) or None
-    window : (int, int) or None
-    dropout_p : float
-    dropout_seed : int or None
-        The seed drawn for this call when ``dropout_p > 0``, so that the backward sees its mask.
-    """
-
-    causal: bool | str = False
-    mask: Any = None
-    key_lengths: Any = None
-    window: tuple[int, int] | None = None
-    dropout_p: float = 0.0
-    dropout_seed: int | None = None
-
-    def as_kwargs(self) -> dict[str, Any]:
-        """The options as keyword arguments."""
-        return {
-            "causal": self.causal,
-            "mask": self.mask,
-            "key_lengths": self.key_lengths,
-            "window": self.window,
-            "dropout_p": self.dropout_p,
-            "dropout_seed": self.dropout_seed,
-        }
+from .._options import AttentionOptions
 
 
 def _allowed_bool_or_float(name: str, native: Any) -> tuple[Any, bool]:
@@ -151,6 +116,7 @@ def cache_options(
     seq_q: int,
     causal: bool,
     window: tuple[int, int] | None,
+    backend: str | None,
 ) -> AttentionOptions:
     """Options for new queries attending to a KV cache after they were appended.
 
@@ -171,10 +137,13 @@ def cache_options(
         Whether each query sees only keys at or before its position.
     window : (int, int) or None
         Sliding window around each query's position.
+    backend : str or None
+        The layer's backend.
 
     Returns
     -------
     AttentionOptions
+        For ``(B, S, H, D)`` (``"bshd"``) arrays.
         Aligned rows (equal starts, no padding), causal: ``causal="bottom_right"`` (query i sits
         at ``i + Sk - Sq``) with the window.  No window and one token per row (or not causal):
         the same alignment plus ``key_lengths``.  Otherwise (misaligned rows with a window or
@@ -185,9 +154,9 @@ def cache_options(
     seq_k = int(lengths.max())
     aligned = not padded and int(starts.min()) == int(starts.max())
     if aligned and (causal or window is None):
-        return AttentionOptions(causal=alignment, window=window)
+        return AttentionOptions(causal=alignment, window=window, layout="bshd", backend=backend)
     if window is None and (seq_q == 1 or not causal):
-        return AttentionOptions(causal=alignment, key_lengths=xp.asarray(lengths))
+        return AttentionOptions(causal=alignment, key_lengths=xp.asarray(lengths), layout="bshd", backend=backend)
     positions = starts[:, None, None] + np.arange(seq_q)[None, :, None]
     keys = np.arange(seq_k)[None, None, :]
     visible = np.broadcast_to(keys < lengths[:, None, None], (lengths.size, seq_q, seq_k)).copy()
@@ -199,4 +168,4 @@ def cache_options(
             visible &= keys >= positions - left
         if right >= 0 and not causal:
             visible &= keys <= positions + right
-    return AttentionOptions(mask=xp.asarray(visible[:, None]))
+    return AttentionOptions(mask=xp.asarray(visible[:, None]), layout="bshd", backend=backend)

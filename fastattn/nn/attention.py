@@ -17,12 +17,13 @@ from typing import Any
 
 import numpy as np
 
-from .. import _arrays, backends
-from ..functional import attention, attention_backward
+from .. import _arrays, _validation, backends, functional
+from .._options import AttentionOptions
+from .._validation import PreparedCall
 from . import _checks
 from ._device import array_module, native_input, to_device
 from ._heads import HeadLayout
-from ._masks import AttentionOptions, cache_options, right_padding_lengths, torch_masks
+from ._masks import cache_options, right_padding_lengths, torch_masks
 from ._state_dict import check_dialect, detect_dialect, from_layer_names, to_layer_names
 from .kv_cache import KVCache
 from .rope import RotaryEmbedding
@@ -62,17 +63,18 @@ class _Source:
 
 @dataclass(frozen=True)
 class _Saved:
-    """What the backward needs from the last training forward."""
+    """What the backward needs from the last training forward.
+
+    ``call`` is the attention's validated call, ``out`` and ``lse`` its native results (out in
+    ``(B, H, L, D)`` order): the backward's attention call checks only its new gradient.
+    """
 
     form: _Format
     output_shape: tuple[int, ...]
     sources: tuple[_Source, ...]
-    q: Any
-    k: Any
-    v: Any
+    call: PreparedCall
     out: Any
     lse: Any
-    options: AttentionOptions
 
 
 def _runs(projections: tuple[str, ...]) -> list[tuple[str, ...]]:
@@ -574,19 +576,21 @@ class MultiheadAttention(HeadLayout):
             mask=mask,
             key_lengths=key_lengths,
             window=self.window,
+            layout="bshd",
             dropout_p=self.dropout if dropping else 0.0,
             dropout_seed=int(self._dropout_seeds.integers(2**63)) if dropping else None,
+            backend=self.backend,
         )
         projected = self._project(sources)
         q = self._rotate(projected["q"], np.arange(seq_q))
         k = self._rotate(projected["k"], np.arange(seq_k))
-        v = projected["v"]
-        out, lse = attention(q, k, v, layout="bshd", return_lse=True, backend=self.backend, **options.as_kwargs())
+        call = _validation.prepare("forward", {"q": q, "k": k, "v": projected["v"]}, options)
+        out_bhsd, lse = functional.run_forward(call)
         origin = sources[0].origin
-        output = self._output(form, origin, out)
+        output = self._output(form, origin, out_bhsd.swapaxes(1, 2))
         if self.training:
             caller_shape = tuple(form.from_batch_first(sources[0].native).shape)
-            self._saved = _Saved(form, caller_shape, tuple(sources), q, k, v, out, lse, options)
+            self._saved = _Saved(form, caller_shape, tuple(sources), call, out_bhsd, lse)
         if need_weights:
             return output, self._weights(form, origin, q, k, options)
         return output
@@ -598,13 +602,11 @@ class MultiheadAttention(HeadLayout):
         the reference backend, so every mask and alignment is exactly the forward's."""
         batch, seq_k = k.shape[:2]
         identity = self._xp.eye(seq_k, dtype=self.dtype)[None, :, None, :]
-        probabilities = attention(
+        probabilities = functional.attention_with(
             q,
             k,
             self._xp.broadcast_to(identity, (batch, seq_k, self.num_kv_heads, seq_k)),
-            layout="bshd",
-            backend="reference",
-            **options.as_kwargs(),
+            options._replace(return_lse=False, backend="reference"),
         )
         averaged = probabilities.astype(self._compute).mean(axis=2).astype(self.dtype)
         return _arrays.from_native(averaged[0] if form.unbatched else averaged, origin)
@@ -652,9 +654,10 @@ class MultiheadAttention(HeadLayout):
             seq_q=seq_q,
             causal=causal,
             window=self.window,
+            backend=self.backend,
         )
         q = self._rotate(projected["q"], positions)
-        out = attention(q, keys, values, layout="bshd", backend=self.backend, **options.as_kwargs())
+        out = functional.attention_with(q, keys, values, options)
         return q, keys, options, out
 
     def _decode_step(self, form: _Format, sources: list[_Source], cache: KVCache, causal: bool) -> Any:
@@ -744,20 +747,14 @@ class MultiheadAttention(HeadLayout):
         xp, compute = self._xp, self._compute
         width_q = self.num_heads * self.head_dim
         d_output = saved.form.to_batch_first(gradient).reshape(-1, self.embed_dim).astype(compute, copy=False)
-        attended = saved.out.reshape(-1, width_q).astype(compute, copy=False)
+        attended_bshd = saved.out.swapaxes(1, 2)
+        attended_shape = attended_bshd.shape
+        attended = attended_bshd.reshape(-1, width_q).astype(compute, copy=False)
         d_out_weight = d_output.T @ attended
         d_out_bias = d_output.sum(axis=0) if self.bias else None
         d_attended = (d_output @ self._out_weight.astype(compute, copy=False)).astype(self.dtype)
-        dq, dk, dv = attention_backward(
-            d_attended.reshape(saved.out.shape),
-            saved.q,
-            saved.k,
-            saved.v,
-            saved.out,
-            saved.lse,
-            layout="bshd",
-            backend=self.backend,
-            **saved.options.as_kwargs(),
+        dq, dk, dv = functional.finish_backward(
+            _validation.prepare_gradient(saved.call, saved.out, saved.lse, d_attended.reshape(attended_shape))
         )
         d_projected = {
             "q": self._rotate(dq, np.arange(dq.shape[1]), inverse=True),

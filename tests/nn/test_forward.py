@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import fastattn.nn.attention as attention_module
+from fastattn.backends import registry
 from fastattn.nn import MultiheadAttention, RotaryEmbedding
 
 from . import _reference
@@ -252,19 +252,18 @@ def test_input_errors(rng):
 
 def test_the_backend_option_reaches_every_attention_call(rng, monkeypatch):
     seen = []
-    for name in ("attention", "attention_backward"):
-        real = getattr(attention_module, name)
+    real = registry.select
 
-        def spy(*args, _real=real, _name=name, **options):
-            seen.append((_name, options["backend"]))
-            return _real(*args, **options)
+    def spy(problem, argument=None):
+        seen.append((problem.direction, argument))
+        return real(problem, argument)
 
-        monkeypatch.setattr(attention_module, name, spy)
+    monkeypatch.setattr(registry, "select", spy)
     layer = random_layer(rng, 16, 4, 2, causal=True, backend="reference")
     default = MultiheadAttention(16, 4, 2, causal=True, dtype=np.float64)
     default.load_state_dict(layer.state_dict())
     x = rng.standard_normal((2, 5, 16))
     out, _ = layer(x, need_weights=True)
     layer.backward(np.ones_like(out))
-    assert seen == [("attention", "reference"), ("attention", "reference"), ("attention_backward", "reference")]
+    assert seen == [("forward", "reference"), ("forward", "reference"), ("backward", "reference")]
     assert max_error(out, default(x)) < 1e-12

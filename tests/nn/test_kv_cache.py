@@ -7,7 +7,7 @@ import re
 import numpy as np
 import pytest
 
-import fastattn.nn.attention as attention_module
+from fastattn import functional
 from fastattn.nn import KVCache, MultiheadAttention
 
 from . import _reference
@@ -151,17 +151,17 @@ def test_prompts_of_different_lengths(window, rng):
 
 
 class _Spy:
-    """Records the arguments of every fastattn.attention call the layer makes."""
+    """Records the arguments of every attention call the layer makes on its cache."""
 
     def __init__(self, monkeypatch):
         self.calls = []
-        real = attention_module.attention
+        real = functional.attention_with
 
-        def spy(q, k, v, **options):
-            self.calls.append((q, k, v, options))
-            return real(q, k, v, **options)
+        def spy(q, k, v, options):
+            self.calls.append((q, k, v, options._asdict()))
+            return real(q, k, v, options)
 
-        monkeypatch.setattr(attention_module, "attention", spy)
+        monkeypatch.setattr(functional, "attention_with", spy)
 
 
 def test_one_token_steps_take_the_decode_fast_path(rng, monkeypatch):

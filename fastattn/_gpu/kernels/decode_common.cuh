@@ -10,7 +10,9 @@
 
 namespace fastattn_gpu {
 
-enum MaskKind { MASK_NONE = 0, MASK_BOOL = 1, MASK_FLOAT32 = 2, MASK_FLOAT16 = 3, MASK_BFLOAT16 = 4 };
+// The numbers of fastattn/_codes.py's MASK_CODES (tests/test_codes.py checks them); the GPU kernels
+// read no float64 mask (the launchers decline it), so 3 is unused here.
+enum MaskKind { MASK_NONE = 0, MASK_BOOL = 1, MASK_FLOAT32 = 2, MASK_FLOAT64 = 3, MASK_FLOAT16 = 4, MASK_BFLOAT16 = 5 };
 
 // -inf without <cmath>'s INFINITY, which NVRTC does not provide.
 __device__ __forceinline__ float negative_infinity() { return __int_as_float(0xff800000); }
@@ -65,7 +67,7 @@ struct Visibility {
             case MASK_BOOL: return static_cast<const unsigned char*>(mask)[element] ? score : negative_infinity();
             case MASK_FLOAT32: return score + static_cast<const float*>(mask)[element];
             case MASK_FLOAT16: return score + __half2float(static_cast<const __half*>(mask)[element]);
-            default: return score + __bfloat162float(static_cast<const __nv_bfloat16*>(mask)[element]);
+            default: return score + __bfloat162float(static_cast<const __nv_bfloat16*>(mask)[element]);  // MASK_BFLOAT16
         }
     }
 };
