@@ -55,6 +55,10 @@ class ArrayOrigin(NamedTuple):
         return f"{self.framework} ({where})"
 
 
+#: The origin of every numpy array.
+NUMPY_ORIGIN = ArrayOrigin("numpy", "cpu", 0)
+
+
 def describe_value(value: Any) -> str:
     """Return a short description of a value for error messages."""
     if hasattr(value, "shape") and hasattr(value, "dtype"):
@@ -110,10 +114,12 @@ def to_native(value: Any, name: str) -> tuple[Any, ArrayOrigin]:
         What to hand results back as.
     """
     if isinstance(value, np.ndarray):
-        return value, ArrayOrigin("numpy", "cpu", 0)
+        return value, NUMPY_ORIGIN
+    if type(value).__name__ == "Tensor" and array_api_compat.is_torch_array(value):
+        return _torch_to_native(value, name)
     if array_api_compat.is_cupy_array(value):
         return value, ArrayOrigin("cupy", "cuda", int(value.device.id))
-    if array_api_compat.is_torch_array(value):
+    if array_api_compat.is_torch_array(value):  # a subclass of torch.Tensor
         return _torch_to_native(value, name)
     if not is_array(value):
         raise TypeError(
@@ -130,6 +136,9 @@ def to_native(value: Any, name: str) -> tuple[Any, ArrayOrigin]:
         f"{name}: expected an array on the CPU or a CUDA device, received one on DLPack device "
         f"type {device_type} ({describe_value(value)})"
     )
+
+
+_TORCH_CPU = ArrayOrigin("torch", "cpu", 0)
 
 
 def _torch_to_native(tensor: Any, name: str) -> tuple[Any, ArrayOrigin]:
@@ -151,7 +160,7 @@ def _torch_to_native(tensor: Any, name: str) -> tuple[Any, ArrayOrigin]:
             f"{name}: expected a dense array of a supported dtype that DLPack can share, "
             f"received {describe_value(tensor)} ({type(error).__name__}: {error})"
         ) from error
-    return (native.view(bfloat16) if bits is not tensor else native), ArrayOrigin("torch", "cpu", 0)
+    return (native.view(bfloat16) if bits is not tensor else native), _TORCH_CPU
 
 
 def from_native(native: Any, origin: ArrayOrigin) -> Any:

@@ -20,6 +20,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -282,13 +283,34 @@ def format_table(rows: Sequence[BenchRow], cases: Sequence[BenchCase]) -> str:
     return "\n".join(lines)
 
 
+#: The vector extensions worth naming next to a CPU figure (as /proc/cpuinfo spells them).
+_ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
+
+
+def cpu_description() -> dict[str, Any]:
+    """The CPU's model name and its vector extensions (Linux's /proc/cpuinfo; empty elsewhere)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return {"model": platform.processor(), "isa": []}
+    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+    fields = {key.strip(): value.strip() for key, value in fields.items()}
+    flags = set(fields.get("flags", "").split())
+    return {
+        "model": fields.get("model name", ""),
+        "family": fields.get("cpu family", ""),
+        "isa": [flag for flag in _ISA_FLAGS if flag in flags],
+    }
+
+
 def environment(device: str) -> dict[str, Any]:
-    """Return what the results depend on: versions, machine, thread count, backends."""
+    """Return what the results depend on: versions, machine, CPU, thread count, backends."""
     facts: dict[str, Any] = {
         "fastattn": __version__,
         "python": platform.python_version(),
         "numpy": np.__version__,
         "machine": f"{platform.machine()} {platform.system()}",
+        "cpu": cpu_description(),
         "device": device,
         "threads": _threads.get_num_threads(),
         "backends": {name: repr(status) for name, status in backends.available().items()},

@@ -35,7 +35,7 @@ _LAYOUTS = ("bhsd", "bshd")
 MAX_HEAD_DIM = 1024
 _AXES = {"bhsd": "(B, H, S, D)", "bshd": "(B, S, H, D)"}
 _DEFAULT_LABELS = {"q": "q", "k": "k", "v": "v", "mask": "mask"}
-_HOST = _arrays.ArrayOrigin("numpy", "cpu", 0)
+_NO_EXTRAS = AttentionExtras()
 #: How many validated call descriptions are remembered (oldest dropped first).
 CACHE_SIZE = 512
 
@@ -191,12 +191,6 @@ def _scalar_options(options: AttentionOptions, deterministic: Any) -> tuple[Any,
     )
 
 
-def _native(name: str, value: Any) -> tuple[Any, _arrays.ArrayOrigin]:
-    if type(value) is np.ndarray:
-        return value, _HOST
-    return _arrays.to_native(value, name)
-
-
 def _same_device(name: str, origin: _arrays.ArrayOrigin, expected: _arrays.ArrayOrigin) -> None:
     if (origin.device, origin.device_id) != (expected.device, expected.device_id):
         raise ValueError(
@@ -289,6 +283,8 @@ def _lengths_in_range(lengths: Any, seq_k: int) -> None:
 def _validate(
     direction: Direction,
     natives: dict[str, Any],
+    mask: Any,
+    lengths: Any,
     origins: dict[str, _arrays.ArrayOrigin],
     scalars: tuple[Any, ...],
     label: dict[str, str],
@@ -296,7 +292,7 @@ def _validate(
     """Every check that follows from the arrays' descriptions and the scalar options."""
     layout, scale, causal, window, softcap, dropout_p, deterministic = scalars
     origin = origins["q"]
-    for name in natives:
+    for name in origins:
         _same_device(label.get(name, name), origins[name], origin)
     dtype = _float_input(label["q"], natives["q"], None)
     for name in ("k", "v"):
@@ -343,10 +339,10 @@ def _validate(
             )
 
     mask_shape, mask_kind, mask_dtype = None, None, None
-    if "mask" in natives:
-        mask_shape, mask_kind = _mask(label["mask"], natives["mask"], (batch, heads_q, seq_q, seq_k))
-        mask_dtype = _arrays.dtype_name(natives["mask"].dtype)
-    lengths_need_copy = "key_lengths" in natives and _key_lengths(natives["key_lengths"], batch)
+    if mask is not None:
+        mask_shape, mask_kind = _mask(label["mask"], mask, (batch, heads_q, seq_q, seq_k))
+        mask_dtype = _arrays.dtype_name(mask.dtype)
+    lengths_need_copy = lengths is not None and _key_lengths(lengths, batch)
     copies = tuple(name for name, native in bhsd.items() if _needs_copy(native))
     strides = {
         name: _element_strides(_arrays.namespace(native).ascontiguousarray(native) if name in copies else native)
@@ -373,7 +369,7 @@ def _validate(
         mask=mask_kind,  # type: ignore[arg-type]
         mask_shape=mask_shape,  # type: ignore[arg-type]
         mask_dtype=mask_dtype,
-        has_key_lengths="key_lengths" in natives,
+        has_key_lengths=lengths is not None,
         q_strides=strides["q"],
         k_strides=strides["k"],
         v_strides=strides["v"],
@@ -425,42 +421,49 @@ def prepare(
     natives: dict[str, Any] = {}
     origins: dict[str, _arrays.ArrayOrigin] = {}
     description: list[Any] = [direction, scalars]
-    for name, value in (*arrays.items(), ("mask", options.mask), ("key_lengths", options.key_lengths)):
-        if value is None and (name == "mask" or name == "key_lengths"):
-            description.append(None)
-            continue
-        if type(value) is np.ndarray:
-            native, origin = value, _HOST
+    for name, value in arrays.items():
+        if type(value) is np.ndarray:  # the common case, without a call
+            native, origin = value, _arrays.NUMPY_ORIGIN
         else:
             native, origin = _arrays.to_native(value, label.get(name, name))
         natives[name] = native
         origins[name] = origin
         description += (origin, native.dtype, native.shape, native.strides)
+    mask = lengths = None
+    if options.mask is None:
+        description.append(None)
+    else:
+        mask, origins["mask"] = _arrays.to_native(options.mask, label["mask"])
+        description += (origins["mask"], mask.dtype, mask.shape, mask.strides)
+    if options.key_lengths is None:
+        description.append(None)
+    else:
+        lengths, origins["key_lengths"] = _arrays.to_native(options.key_lengths, "key_lengths")
+        description += (origins["key_lengths"], lengths.dtype, lengths.shape, lengths.strides)
     key = tuple(description)
     validated = _validated.get(key)
     if validated is None:
-        validated = _validate(direction, natives, origins, scalars, label)
+        validated = _validate(direction, natives, mask, lengths, origins, scalars, label)
         _remember(key, validated)
     problem = validated.problem
-    bhsd = {name: natives[name] for name in arrays}
+    bhsd = natives
     if problem.layout == "bshd":
-        for name in arrays:
-            if name != "lse":
-                bhsd[name] = bhsd[name].swapaxes(1, 2)
+        bhsd = {name: native if name == "lse" else native.swapaxes(1, 2) for name, native in natives.items()}
     for name in validated.copies:
         bhsd[name] = _arrays.namespace(bhsd[name]).ascontiguousarray(bhsd[name])
-    mask = natives.get("mask")
     if mask is not None and mask.ndim != 4:
         mask = mask.reshape(validated.mask_shape)
-    lengths = natives.get("key_lengths")
     if lengths is not None:
         if validated.lengths_need_copy:
             lengths = lengths.astype(np.int64)
         _lengths_in_range(lengths, problem.seq_k)
-    dropout = _dropout.request(
-        problem.dropout_p, options.dropout_seed, options.dropout_offset, need_seed=direction == "backward"
-    )
-    return PreparedCall(problem, bhsd, AttentionExtras(mask, lengths, dropout), origins["q"], options)
+    seed, offset = options.dropout_seed, options.dropout_offset
+    if problem.dropout_p == 0.0 and seed is None and type(offset) is int and offset == 0 and mask is None:
+        extras = _NO_EXTRAS if lengths is None else AttentionExtras(None, lengths, None)
+    else:
+        dropout = _dropout.request(problem.dropout_p, seed, offset, need_seed=direction == "backward")
+        extras = AttentionExtras(mask, lengths, dropout)
+    return PreparedCall(problem, bhsd, extras, origins["q"], options)
 
 
 @functools.lru_cache(maxsize=CACHE_SIZE)
@@ -488,7 +491,7 @@ def prepare_gradient(forward: PreparedCall, out: Any, lse: Any, dout: Any) -> Pr
         The backward call, sharing the forward's arrays, extras and options.
     """
     problem = forward.problem
-    native, origin = _native("dout", dout)
+    native, origin = _arrays.to_native(dout, "dout")
     _same_device("dout", origin, forward.origin)
     _float_input("dout", native, problem.dtype)
     view = _arrays.swap_layout(native, problem.layout)

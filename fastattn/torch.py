@@ -71,11 +71,14 @@ def _tensors(call: PreparedCall, out: Any, lse: Any) -> tuple[torch.Tensor, torc
     return result, _arrays.from_native(lse, call.origin)
 
 
-def _run(call: PreparedCall, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out, lse)`` of a validated call: through autograd when a gradient can flow, else directly."""
+def _run(call: PreparedCall, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    """``(out, lse)`` of a validated call: through autograd when a gradient can flow, else directly
+    (then lse is None unless the options ask for it)."""
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return _AttentionFunction.apply(q, k, v, call)
-    return _tensors(call, *functional.run_forward(call))
+    out, lse = functional.run_forward(call)
+    result = _arrays.from_native(_arrays.swap_layout(out, call.problem.layout), call.origin)
+    return result, (_arrays.from_native(lse, call.origin) if call.options.return_lse else None)
 
 
 def _dropout_seed(dropout_p: Any, dropout_seed: Any) -> Any:
