@@ -115,6 +115,12 @@ cdef void _strides(int64_t* dst, array, int count):
         dst[axis] = strides[axis] // itemsize
 
 
+cdef void _bind(const char** address, int64_t* strides, array, int count):
+    """Point a parameter at an array: its address and its first ``count`` strides."""
+    address[0] = _data(array)
+    _strides(strides, array, count)
+
+
 cdef void _fill_from_problem(FwdParams* p, problem, int64_t block_queries, int64_t key_tile) except *:
     """Every field that follows from the problem and the tiles; the addresses are left null."""
     memset(p, 0, sizeof(FwdParams))
@@ -149,14 +155,10 @@ cdef void _set_call_inputs(FwdParams* p, q, k, v, lse, extras) except *:
     cdef int axis
     cdef uint64_t seed
     mask, key_lengths, dropout = extras
-    p.q = _data(q)
-    p.k = _data(k)
-    p.v = _data(v)
-    p.lse = _data(lse)
-    _strides(p.q_stride, q, 3)
-    _strides(p.k_stride, k, 3)
-    _strides(p.v_stride, v, 3)
-    _strides(p.lse_stride, lse, 3)
+    _bind(&p.q, p.q_stride, q, 3)
+    _bind(&p.k, p.k_stride, k, 3)
+    _bind(&p.v, p.v_stride, v, 3)
+    _bind(<const char**> &p.lse, p.lse_stride, lse, 3)
     if mask is not None:
         p.mask = _data(mask)
         _strides(p.mask_stride, mask, 4)
@@ -312,8 +314,7 @@ cdef class ForwardPlan:
         out = _empty(self.out_shape, self.dtype, self.typenum, self.swap)
         lse = _empty(self.lse_shape, self.lse_dtype, self.lse_typenum, False)
         _set_call_inputs(&p, q, k, v, lse, extras)
-        p.out = _data(out)
-        _strides(p.out_stride, out, 3)
+        _bind(<const char**> &p.out, p.out_stride, out, 3)
         p.nonfinite_output = &nonfinite
         if p.splits > 1:
             p.partial_out = _scratch(SCRATCH_ROWS, self.partial_elements * (p.head_dim_v + 1) * compute_bytes)
@@ -395,16 +396,11 @@ cdef class BackwardPlan:
         cdef int nonfinite = 0
         dq, dk, dv = [_empty(shape, self.dtype, self.typenum, self.swap) for shape in self.shapes]
         _set_call_inputs(&p.f, q, k, v, lse, extras)
-        p.dout = _data(dout)
-        p.out = _data(out)
-        p.dq = _data(dq)
-        p.dk = _data(dk)
-        p.dv = _data(dv)
-        _strides(p.dout_stride, dout, 3)
-        _strides(p.o_stride, out, 3)
-        _strides(p.dq_stride, dq, 3)
-        _strides(p.dk_stride, dk, 3)
-        _strides(p.dv_stride, dv, 3)
+        _bind(&p.dout, p.dout_stride, dout, 3)
+        _bind(&p.out, p.o_stride, out, 3)
+        _bind(<const char**> &p.dq, p.dq_stride, dq, 3)
+        _bind(<const char**> &p.dk, p.dk_stride, dk, 3)
+        _bind(<const char**> &p.dv, p.dv_stride, dv, 3)
         p.delta = _scratch(SCRATCH_ROWS, rows * compute_bytes)
         p.f.nonfinite_output = &nonfinite
         with nogil:
