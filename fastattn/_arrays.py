@@ -115,12 +115,10 @@ def to_native(value: Any, name: str) -> tuple[Any, ArrayOrigin]:
     """
     if isinstance(value, np.ndarray):
         return value, NUMPY_ORIGIN
-    if type(value).__name__ == "Tensor" and array_api_compat.is_torch_array(value):
+    if array_api_compat.is_torch_array(value):
         return _torch_to_native(value, name)
     if array_api_compat.is_cupy_array(value):
         return value, ArrayOrigin("cupy", "cuda", int(value.device.id))
-    if array_api_compat.is_torch_array(value):  # a subclass of torch.Tensor
-        return _torch_to_native(value, name)
     if not is_array(value):
         raise TypeError(
             f"{name}: expected a numpy array, a CuPy array or a DLPack-capable tensor, "

@@ -76,9 +76,8 @@ def _run(call: PreparedCall, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) 
     (then lse is None unless the options ask for it)."""
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return _AttentionFunction.apply(q, k, v, call)
-    out, lse = functional.run_forward(call)
-    result = _arrays.from_native(_arrays.swap_layout(out, call.problem.layout), call.origin)
-    return result, (_arrays.from_native(lse, call.origin) if call.options.return_lse else None)
+    returned = functional.finish_forward(call)
+    return returned if call.options.return_lse else (returned, None)
 
 
 def _dropout_seed(dropout_p: Any, dropout_seed: Any) -> Any:
