@@ -93,6 +93,15 @@ _kernel_args = _compile_args + _native_flags() + ["-std=gnu++17"] + _sanitize
 _link_args = (_omp + _sanitize) if sys.platform != "win32" else []
 
 extensions = [
+    # The key validated calls are remembered under (numpy's C API reads the arrays' descriptions).
+    Extension(
+        "fastattn._describe",
+        ["fastattn/_describe.pyx"],
+        include_dirs=[numpy.get_include()],
+        define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_25_API_VERSION")],
+        extra_compile_args=_compile_args + _sanitize,
+        extra_link_args=_sanitize if sys.platform != "win32" else [],
+    ),
     # Built like the kernels (C++, same flags, same headers) so that the compiler, OpenMP and SIMD
     # width it reports are the kernels' own.
     Extension(

@@ -6,8 +6,9 @@ received.  Nothing here writes into a caller's array.
 
 A call is validated in two parts.  What follows from the arrays' descriptions (framework, device,
 dtype, shape, strides) and the scalar options decides the :class:`AttentionProblem`; it is checked
-in full the first time such a call is seen and remembered under that description, so a decode
-loop that repeats one call shape pays one dictionary lookup for it.  A new array of the same
+in full the first time such a call is seen and remembered under that description (its key is built
+in C by ``fastattn/_describe.pyx``), so a decode loop that repeats one call shape pays one
+dictionary lookup for it.  A new array of the same
 description passes the same checks by construction: its device, dtype, shape and strides are the
 key.  What the description cannot vouch for is checked on every call (DESIGN.md §3, "What is
 scanned per call"): host ``key_lengths`` values, and the dropout seed and offset.
@@ -23,7 +24,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import _arrays, _dropout
+from . import _arrays, _describe, _dropout
 from ._options import AttentionOptions
 from ._problem import AttentionExtras, AttentionProblem, Causal, Direction, Layout
 from .backends import registry
@@ -35,6 +36,11 @@ _LAYOUTS = ("bhsd", "bshd")
 MAX_HEAD_DIM = 1024
 _AXES = {"bhsd": "(B, H, S, D)", "bshd": "(B, S, H, D)"}
 _DEFAULT_LABELS = {"q": "q", "k": "k", "v": "v", "mask": "mask"}
+#: The arrays a backend takes, by direction (the mask and key_lengths travel in the extras).
+_ARRAY_NAMES: dict[str, tuple[str, ...]] = {
+    "forward": ("q", "k", "v"),
+    "backward": ("q", "k", "v", "dout", "out", "lse"),
+}
 _NO_EXTRAS = AttentionExtras()
 #: How many validated call descriptions are remembered (oldest dropped first).
 CACHE_SIZE = 512
@@ -76,12 +82,16 @@ class _Validated:
         The mask's shape with leading axes of size 1 added.
     lengths_need_copy : bool
         ``key_lengths`` is not a contiguous int64 array (the kernels read one).
+    plain : bool
+        Layout ``"bhsd"``, no copy, no mask, no key_lengths, no dropout: the caller's arrays go to
+        the backend as they are, with no extras (what a decode loop calls).
     """
 
     problem: AttentionProblem
     copies: tuple[str, ...]
     mask_shape: tuple[int, int, int, int] | None
     lengths_need_copy: bool
+    plain: bool
 
 
 _validated: dict[tuple[Any, ...], _Validated] = {}
@@ -208,6 +218,11 @@ def _float_input(name: str, native: Any, expected_dtype: str | None) -> str:
             )
     elif dtype != expected_dtype:
         raise TypeError(f"{name}: expected dtype {expected_dtype} (the dtype of q), received {dtype}")
+    if not native.dtype.isnative:
+        raise TypeError(
+            f"{name}: expected the machine's byte order, received dtype {native.dtype.str} "
+            f"(convert with .astype(dtype.newbyteorder('=')))"
+        )
     if native.ndim != 4:
         raise ValueError(
             f"{name}: expected a 4-D array, received shape {tuple(native.shape)}"
@@ -242,6 +257,11 @@ def _mask(name: str, native: Any, full_shape: tuple[int, int, int, int]) -> tupl
         raise TypeError(
             f"{name}: expected a bool array (True = may attend) or a float array (added to the scores), "
             f"received dtype {_arrays.dtype_name(dtype)}"
+        )
+    if not dtype.isnative:
+        raise TypeError(
+            f"{name}: expected the machine's byte order, received dtype {dtype.str} "
+            f"(convert with .astype(dtype.newbyteorder('=')))"
         )
     if native.ndim > 4 or any(
         size not in (1, full) for size, full in zip(native.shape[::-1], full_shape[::-1])
@@ -333,6 +353,11 @@ def _validate(
                 f"lse: expected dtype {lse_dtype} (as returned by the forward for {dtype} inputs), "
                 f"received {_arrays.dtype_name(lse.dtype)}"
             )
+        if not lse.dtype.isnative:
+            raise TypeError(
+                f"lse: expected the machine's byte order, received dtype {lse.dtype.str} "
+                f"(convert with .astype(dtype.newbyteorder('=')))"
+            )
         if tuple(lse.shape) != (batch, heads_q, seq_q):
             raise ValueError(
                 f"lse: expected shape {(batch, heads_q, seq_q)} (B, Hq, Sq), received {tuple(lse.shape)}"
@@ -376,7 +401,8 @@ def _validate(
         deterministic=deterministic,
         dropout_p=dropout_p,
     )
-    return _Validated(problem, copies, mask_shape, lengths_need_copy)  # type: ignore[arg-type]
+    plain = layout == "bhsd" and not copies and mask is None and lengths is None and dropout_p == 0.0
+    return _Validated(problem, copies, mask_shape, lengths_need_copy, plain)  # type: ignore[arg-type]
 
 
 def _remember(key: tuple[Any, ...], validated: _Validated) -> None:
@@ -405,7 +431,7 @@ def prepare(
     options : AttentionOptions
         The call's options (the backward needs the forward's ``dropout_seed``).
     labels : dict, optional
-        The caller's names for ``q``, ``k``, ``v`` and ``mask`` in error messages (for
+        The caller's names for ``q``, ``k``, ``v`` and ``mask`` in error messages, all four (for
         ``scaled_dot_product_attention``: query, key, value, attn_mask).
     deterministic : bool
         As in :func:`fastattn.attention_backward`.
@@ -416,39 +442,65 @@ def prepare(
         Native arrays in ``(B, H, S, D)`` order (views of the caller's memory; a copy only where the
         last axis was not contiguous), the problem, the extras, the caller's origin and the options.
     """
-    label = _DEFAULT_LABELS if labels is None else {**_DEFAULT_LABELS, **labels}
-    scalars = _scalar_options(options, deterministic)
+    label = _DEFAULT_LABELS if labels is None else labels
+    natives, origins = arrays, None
+    for value in arrays.values():
+        if type(value) is not np.ndarray:  # numpy arrays are their own natives, of NUMPY_ORIGIN
+            natives, origins = _natives(arrays, label)
+            break
+    mask = lengths = None
+    if options.mask is not None or options.key_lengths is not None:
+        natives, origins = dict(natives), dict(origins or dict.fromkeys(natives, _arrays.NUMPY_ORIGIN))
+        if options.mask is not None:
+            mask, origins["mask"] = _arrays.to_native(options.mask, label["mask"])
+            natives["mask"] = mask
+        if options.key_lengths is not None:
+            lengths, origins["key_lengths"] = _arrays.to_native(options.key_lengths, "key_lengths")
+            natives["key_lengths"] = lengths
+    key = _describe.call_key(direction, natives, origins, options, deterministic)
+    validated = None if key is None else _validated.get(key)
+    if validated is None:
+        scalars = _scalar_options(options, deterministic)
+        all_origins = origins or dict.fromkeys(natives, _arrays.NUMPY_ORIGIN)
+        validated = _validate(direction, natives, mask, lengths, all_origins, scalars, label)
+        if key is not None:
+            _remember(key, validated)
+    elif options.backend is not None:
+        check_backend_argument(options.backend)
+    origin = _arrays.NUMPY_ORIGIN if origins is None else origins["q"]
+    offset = options.dropout_offset
+    if validated.plain and options.dropout_seed is None and type(offset) is int and offset == 0:
+        return PreparedCall(validated.problem, natives, _NO_EXTRAS, origin, options)
+    return _finish_prepare(direction, validated, natives, mask, lengths, origin, options)
+
+
+def _natives(arrays: dict[str, Any], label: dict[str, str]) -> tuple[dict[str, Any], dict[str, _arrays.ArrayOrigin]]:
+    """Every array of a call as a native (numpy or CuPy) view, with its origin."""
     natives: dict[str, Any] = {}
     origins: dict[str, _arrays.ArrayOrigin] = {}
-    description: list[Any] = [direction, scalars]
     for name, value in arrays.items():
-        if type(value) is np.ndarray:  # the common case, without a call
-            native, origin = value, _arrays.NUMPY_ORIGIN
-        else:
-            native, origin = _arrays.to_native(value, label.get(name, name))
-        natives[name] = native
-        origins[name] = origin
-        description += (origin, native.dtype, native.shape, native.strides)
-    mask = lengths = None
-    if options.mask is None:
-        description.append(None)
-    else:
-        mask, origins["mask"] = _arrays.to_native(options.mask, label["mask"])
-        description += (origins["mask"], mask.dtype, mask.shape, mask.strides)
-    if options.key_lengths is None:
-        description.append(None)
-    else:
-        lengths, origins["key_lengths"] = _arrays.to_native(options.key_lengths, "key_lengths")
-        description += (origins["key_lengths"], lengths.dtype, lengths.shape, lengths.strides)
-    key = tuple(description)
-    validated = _validated.get(key)
-    if validated is None:
-        validated = _validate(direction, natives, mask, lengths, origins, scalars, label)
-        _remember(key, validated)
+        natives[name], origins[name] = _arrays.to_native(value, label.get(name, name))
+    return natives, origins
+
+
+def _finish_prepare(
+    direction: Direction,
+    validated: _Validated,
+    natives: dict[str, Any],
+    mask: Any,
+    lengths: Any,
+    origin: _arrays.ArrayOrigin,
+    options: AttentionOptions,
+) -> PreparedCall:
+    """The per-call part of a validated call: views, copies, the values checked every call, extras."""
     problem = validated.problem
     bhsd = natives
     if problem.layout == "bshd":
-        bhsd = {name: native if name == "lse" else native.swapaxes(1, 2) for name, native in natives.items()}
+        bhsd = {
+            name: natives[name] if name == "lse" else natives[name].swapaxes(1, 2) for name in _ARRAY_NAMES[direction]
+        }
+    elif mask is not None or lengths is not None:
+        bhsd = {name: natives[name] for name in _ARRAY_NAMES[direction]}
     for name in validated.copies:
         bhsd[name] = _arrays.namespace(bhsd[name]).ascontiguousarray(bhsd[name])
     if mask is not None and mask.ndim != 4:
@@ -463,7 +515,7 @@ def prepare(
     else:
         dropout = _dropout.request(problem.dropout_p, seed, offset, need_seed=direction == "backward")
         extras = AttentionExtras(mask, lengths, dropout)
-    return PreparedCall(problem, bhsd, extras, origins["q"], options)
+    return PreparedCall(problem, bhsd, extras, origin, options)
 
 
 @functools.lru_cache(maxsize=CACHE_SIZE)

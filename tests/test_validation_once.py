@@ -104,6 +104,7 @@ def test_a_repeated_shape_still_checks_what_the_arrays_need() -> None:
     ("option", "good", "bad", "error"),
     [
         ("causal", True, 1, ValueError),
+        ("scale", 1.0, True, TypeError),
         ("softcap", 1.0, True, TypeError),
         ("dropout_p", 0.0, False, TypeError),
         ("window", (1, 1), (1, True), TypeError),
@@ -117,6 +118,48 @@ def test_equal_values_of_another_type_are_not_taken_for_a_remembered_option(
     fastattn.attention(q, k, v, **{option: good})
     with pytest.raises(error, match=option):
         fastattn.attention(q, k, v, **{option: bad})
+
+
+def test_a_numpy_float_scale_is_remembered_as_its_float_and_a_float32_one_still_runs() -> None:
+    q, k, v, _ = _inputs(np.random.default_rng())
+    expected = fastattn.attention(q, k, v, scale=0.25, backend="reference")
+    fastattn.attention(q, k, v, scale=0.25)
+    remembered = len(_validation._validated)
+    np.testing.assert_allclose(fastattn.attention(q, k, v, scale=np.float64(0.25)), expected, atol=1e-12)
+    assert len(_validation._validated) == remembered
+    np.testing.assert_allclose(fastattn.attention(q, k, v, scale=np.float32(0.25)), expected, atol=1e-12)
+    with pytest.raises(ValueError, match="scale: expected a finite number"):
+        fastattn.attention(q, k, v, scale=np.float64("nan"))
+
+
+@pytest.mark.parametrize("name", ["q", "k", "mask", "lse"])
+def test_arrays_of_the_other_byte_order_are_refused(name: str) -> None:
+    q, k, v, dout = _inputs(np.random.default_rng())
+    mask = np.ones((1, 1, q.shape[2], k.shape[2]))
+    out, lse = fastattn.attention(q, k, v, mask=mask, return_lse=True)
+    swapped = {"q": q, "k": k, "mask": mask, "lse": lse}[name]
+    swapped = swapped.astype(swapped.dtype.newbyteorder())
+    arrays = {"q": q, "k": k, "mask": mask, "lse": lse, name: swapped}
+    with pytest.raises(TypeError, match=f"{name}: expected the machine's byte order, received dtype >f8"):
+        fastattn.attention_backward(dout, arrays["q"], arrays["k"], v, out, arrays["lse"], mask=arrays["mask"])
+
+
+def test_arrays_of_several_frameworks_and_subclasses_are_told_apart() -> None:
+    """The same shapes from other frameworks, in other positions, or as an ndarray subclass, are
+    other call descriptions: each result comes back in q's framework, with the same values."""
+
+    class Subclass(np.ndarray):
+        pass
+
+    q, k, v, _ = _inputs(np.random.default_rng())
+    expected = fastattn.attention(q, k, v, backend="reference")
+    t = {name: torch.from_numpy(x) for name, x in (("q", q), ("k", k), ("v", v))}
+    for _ in range(2):
+        assert isinstance(fastattn.attention(q, t["k"], t["v"]), np.ndarray)
+        mixed = fastattn.attention(t["q"], k, v)
+        assert isinstance(mixed, torch.Tensor)
+        np.testing.assert_allclose(mixed.numpy(), expected, atol=1e-12)
+        np.testing.assert_allclose(fastattn.attention(q.view(Subclass), k, v), expected, atol=1e-12)
 
 
 def test_the_registry_forgets_its_choices_when_backends_change() -> None:
