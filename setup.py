@@ -93,6 +93,15 @@ _kernel_args = _compile_args + _native_flags() + ["-std=gnu++17"] + _sanitize
 _link_args = (_omp + _sanitize) if sys.platform != "win32" else []
 
 extensions = [
+    # Host DLPack tensors (torch's) viewed as numpy arrays without Python-level conversion.
+    Extension(
+        "fastattn._dlpack",
+        ["fastattn/_dlpack.pyx"],
+        include_dirs=[numpy.get_include()],
+        define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_25_API_VERSION")],
+        extra_compile_args=_compile_args + _sanitize,
+        extra_link_args=_sanitize if sys.platform != "win32" else [],
+    ),
     # The key validated calls are remembered under (numpy's C API reads the arrays' descriptions).
     Extension(
         "fastattn._describe",

@@ -21,6 +21,8 @@ import array_api_compat
 import ml_dtypes
 import numpy as np
 
+from . import _dlpack
+
 bfloat16 = np.dtype(ml_dtypes.bfloat16)
 
 #: The input dtypes every backend is asked about, by name.
@@ -70,9 +72,9 @@ def is_array(value: Any) -> bool:
     """Return True for anything the array layer can take: numpy, CuPy or a DLPack producer."""
     if isinstance(value, np.ndarray):
         return True
-    if array_api_compat.is_cupy_array(value):
+    if hasattr(value, "__dlpack__") and hasattr(value, "__dlpack_device__"):
         return True
-    return hasattr(value, "__dlpack__") and hasattr(value, "__dlpack_device__")
+    return bool(array_api_compat.is_cupy_array(value))
 
 
 def _cupy(name: str = "array") -> ModuleType:
@@ -115,7 +117,7 @@ def to_native(value: Any, name: str) -> tuple[Any, ArrayOrigin]:
     """
     if isinstance(value, np.ndarray):
         return value, NUMPY_ORIGIN
-    if array_api_compat.is_torch_array(value):
+    if (_torch is not None and type(value) is _torch.Tensor) or array_api_compat.is_torch_array(value):
         return _torch_to_native(value, name)
     if array_api_compat.is_cupy_array(value):
         return value, ArrayOrigin("cupy", "cuda", int(value.device.id))
@@ -137,20 +139,30 @@ def to_native(value: Any, name: str) -> tuple[Any, ArrayOrigin]:
 
 
 _TORCH_CPU = ArrayOrigin("torch", "cpu", 0)
+#: The torch module, once the first tensor has come through (``import fastattn`` never imports it).
+_torch: Any = None
 
 
 def _torch_to_native(tensor: Any, name: str) -> tuple[Any, ArrayOrigin]:
-    import torch
+    global _torch
+    if _torch is None:
+        import torch
+        import torch.utils.dlpack
 
+        _torch = torch
+    native = _dlpack.tensor_view(tensor, _torch.Tensor, _torch.utils.dlpack.to_dlpack)
+    if native is not None:
+        return native, _TORCH_CPU
     if tensor.requires_grad:
         tensor = tensor.detach()
-    if tensor.is_cuda:
-        native = _import_dlpack(_cupy(name), tensor, name)
-        return native, ArrayOrigin("torch", "cuda", int(tensor.device.index or 0))
     if not tensor.is_cpu:
+        if tensor.is_cuda:
+            native = _import_dlpack(_cupy(name), tensor, name)
+            return native, ArrayOrigin("torch", "cuda", int(tensor.device.index or 0))
         raise TypeError(f"{name}: expected a torch tensor on cpu or cuda, received one on {tensor.device}")
-    # Tensor.numpy() shares the memory like DLPack, at a quarter of the cost per call.
-    bits = tensor.view(torch.int16) if tensor.dtype == torch.bfloat16 else tensor
+    # Tensor.numpy() shares the memory like DLPack, at a quarter of its cost per call (the dtypes and
+    # cases _dlpack.host_view does not view).
+    bits = tensor.view(_torch.int16) if tensor.dtype is _torch.bfloat16 else tensor
     try:
         native = bits.numpy()
     except (RuntimeError, TypeError, ValueError) as error:
@@ -159,6 +171,34 @@ def _torch_to_native(tensor: Any, name: str) -> tuple[Any, ArrayOrigin]:
             f"received {describe_value(tensor)} ({type(error).__name__}: {error})"
         ) from error
     return (native.view(bfloat16) if bits is not tensor else native), _TORCH_CPU
+
+
+def natives_of(arrays: dict[str, Any], labels: dict[str, str]) -> tuple[dict[str, Any], Any]:
+    """View every array of a call as a numpy or CuPy array, without copying.
+
+    Parameters
+    ----------
+    arrays : dict of str to array-like
+        The call's arrays by name, as the caller passed them.
+    labels : dict of str to str
+        The caller's names of the arrays, for error messages (a name without one is its own).
+
+    Returns
+    -------
+    natives : dict of str to array
+        The native arrays, by the same names.
+    origins : ArrayOrigin or dict of str to ArrayOrigin
+        One origin shared by every array (a call of torch CPU tensors), or each array's own.
+    """
+    if _torch is not None:
+        views = _dlpack.tensor_views(arrays, _torch.Tensor, _torch.utils.dlpack.to_dlpack)
+        if views is not None:
+            return views, _TORCH_CPU
+    natives: dict[str, Any] = {}
+    origins: dict[str, ArrayOrigin] = {}
+    for name, value in arrays.items():
+        natives[name], origins[name] = to_native(value, labels.get(name, name))
+    return natives, origins
 
 
 def from_native(native: Any, origin: ArrayOrigin) -> Any:
@@ -173,14 +213,12 @@ def from_native(native: Any, origin: ArrayOrigin) -> Any:
     """
     if origin.framework in ("numpy", "cupy"):
         return native
-    if origin.framework == "torch":
-        import torch
-
+    if origin.framework == "torch":  # _torch_to_native has imported torch
         if origin.device == "cuda":
-            return torch.from_dlpack(native)
+            return _torch.from_dlpack(native)
         if native.dtype == bfloat16:
-            return torch.from_numpy(native.view(np.int16)).view(torch.bfloat16)
-        return torch.from_numpy(native)
+            return _torch.from_numpy(native.view(np.int16)).view(_torch.bfloat16)
+        return _torch.from_numpy(native)
     if origin.framework == "jax":
         import jax.numpy as jnp
 

@@ -5,7 +5,7 @@ from ._options import AttentionOptions
 def call_key(
     direction: str,
     natives: dict[str, Any],
-    origins: dict[str, Any] | None,
+    origins: Any,
     options: AttentionOptions,
     deterministic: Any,
 ) -> tuple[Any, ...] | None: ...

@@ -87,8 +87,9 @@ def call_key(str direction, dict natives, object origins, object options, object
     natives : dict of str to array
         The call's native arrays (numpy or CuPy): q, k, v (then dout, out, lse for a backward),
         then the mask and key_lengths where given, in the order the caller's code builds them.
-    origins : dict of str to ArrayOrigin, or None
-        Each native's origin; None when every one is a numpy array of the caller's.
+    origins : ArrayOrigin, dict of str to ArrayOrigin, or None
+        One origin shared by every native, each native's own, or None when every one is a numpy
+        array of the caller's.
     options : AttentionOptions
     deterministic : bool
         The backward's ``deterministic`` argument (False for a forward).
@@ -136,7 +137,7 @@ def call_key(str direction, dict natives, object origins, object options, object
         _keyed_number(dropout_p),
         return_lse,
         deterministic,
-        None if origins is None else tuple((<dict> origins).values()),
+        tuple((<dict> origins).values()) if type(origins) is dict else origins,
         _pack_numpy(numpy_arrays),
         tuple(others) if others else None,
     )

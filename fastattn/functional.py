@@ -7,8 +7,7 @@ lse ``(B, Hq, Sq)``.  The semantics of every option are those of DESIGN.md §3.
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any
+from typing import Any, NamedTuple
 
 from . import _arrays, _validation
 from ._options import AttentionOptions
@@ -331,8 +330,7 @@ def scaled_dot_product_attention(
     return out[:, 0] if arguments.unbatched_heads else out
 
 
-@dataclasses.dataclass(frozen=True)
-class SdpaArguments:
+class SdpaArguments(NamedTuple):
     """``scaled_dot_product_attention``'s arguments, validated and mapped onto :func:`attention`'s.
 
     Attributes
@@ -391,32 +389,19 @@ def sdpa_arguments(
     TypeError, ValueError
         An argument is invalid; the message names it.
     """
-    if not isinstance(is_causal, bool):
+    if is_causal is not False and is_causal is not True:
         raise TypeError(f"is_causal: expected a bool, received {is_causal!r}")
-    if not isinstance(enable_gqa, bool):
+    if enable_gqa is not False and enable_gqa is not True:
         raise TypeError(f"enable_gqa: expected a bool, received {enable_gqa!r}")
     if is_causal and attn_mask is not None:
         raise ValueError(
             "attn_mask: expected None when is_causal=True (PyTorch's rule), received an array"
         )
-    arrays = {"query": query, "key": key, "value": value}
-    ndims = {}
-    for name, array in arrays.items():
-        if not _arrays.is_array(array):
-            raise TypeError(
-                f"{name}: expected a numpy array, a CuPy array or a DLPack-capable tensor, "
-                f"received {_arrays.describe_value(array)}"
-            )
-        ndim = array.ndim
-        if ndim not in (3, 4):
-            raise ValueError(
-                f"{name}: expected a 4-D (N, H, L, E) or 3-D (N, L, E) array, received "
-                f"{_arrays.describe_value(array)}"
-            )
-        ndims[name] = ndim
-    if len(set(ndims.values())) != 1:
+    ndim = _sdpa_ndim("query", query)
+    if _sdpa_ndim("key", key) != ndim or _sdpa_ndim("value", value) != ndim:
+        ndims = {"query": ndim, "key": key.ndim, "value": value.ndim}
         raise ValueError(f"key, value: expected the same number of axes as query, received {ndims}")
-    unbatched_heads = ndims["query"] == 3
+    unbatched_heads = ndim == 3
     if unbatched_heads:
         query, key, value = (x[:, None] for x in (query, key, value))
         if getattr(attn_mask, "ndim", 0) == 3:
@@ -427,11 +412,30 @@ def sdpa_arguments(
             f"attention), received {key.shape[1]}"
         )
     options = AttentionOptions(
-        causal=is_causal, scale=scale, mask=attn_mask, dropout_p=dropout_p, dropout_seed=dropout_seed, backend=backend
+        is_causal, scale, attn_mask, None, None, None, "bhsd", dropout_p, dropout_seed, 0, False, backend
     )
     call = _validation.prepare("forward", {"q": query, "k": key, "v": value}, options, labels=_SDPA_LABELS)
     return SdpaArguments(call, query, key, value, attn_mask, unbatched_heads)
 
 
 _SDPA_LABELS = {"q": "query", "k": "key", "v": "value", "mask": "attn_mask"}
+
+
+def _sdpa_ndim(name: str, array: Any) -> int:
+    """The number of axes of an SDPA input, which must be an array of 3 or 4.
+
+    Only what has no ``ndim`` is asked whether it is an array here; anything else that is not one
+    is refused with the same message when the call is prepared.
+    """
+    ndim = getattr(array, "ndim", None)
+    if ndim is None:
+        raise TypeError(
+            f"{name}: expected a numpy array, a CuPy array or a DLPack-capable tensor, "
+            f"received {_arrays.describe_value(array)}"
+        )
+    if ndim != 3 and ndim != 4:
+        raise ValueError(
+            f"{name}: expected a 4-D (N, H, L, E) or 3-D (N, L, E) array, received {_arrays.describe_value(array)}"
+        )
+    return int(ndim)
 
