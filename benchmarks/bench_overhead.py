@@ -17,7 +17,9 @@ B=1, H=1, Sq=1, Sk=16, D=64, float32.  Timed, each as the median of ``--rounds``
   interleaved among themselves, after the tiny calls (their matrix products wake thread pools).
 
 ``--stages`` also times the stages of the numpy forward separately (options, validation, backend
-selection, kernel call, hand-back), which is where the remaining microseconds go.
+selection, kernel call, hand-back), those of ``fastattn.torch``'s no-grad forward (tensor views,
+validation, run, hand-back), and the floor of any Python ``torch.autograd.Function`` (an identity
+function's ``apply`` and its forward+backward): where the remaining microseconds go.
 
     python benchmarks/bench_overhead.py                 # writes benchmarks/results/overhead-<date>.json
     python benchmarks/bench_overhead.py --rounds 3 --calls 500 --json /tmp/o.json
@@ -40,7 +42,7 @@ import torch.nn.functional as F
 
 import fastattn
 import fastattn.torch as fastattn_torch
-from fastattn import _bench, _validation, functional
+from fastattn import _arrays, _bench, _validation, functional
 from fastattn._options import AttentionOptions
 from fastattn.backends import registry
 from fastattn.nn import KVCache, MultiheadAttention
@@ -135,6 +137,43 @@ def stages(rng: np.random.Generator) -> dict[str, Callable[[], Any]]:
     }
 
 
+class _Identity(torch.autograd.Function):
+    """The cheapest autograd function: what any Python ``autograd.Function`` costs per call."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return q.view_as(q)
+
+    @staticmethod
+    def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return dout, None, None
+
+
+def torch_stages(rng: np.random.Generator) -> dict[str, Callable[[], Any]]:
+    """``fastattn.torch``'s no-grad forward in stages, and the floor of a Python autograd function."""
+    a = _tiny_inputs(rng)
+    tensors = {name: torch.from_numpy(a[name]) for name in ("q", "k", "v")}
+    q, k, v = tensors["q"], tensors["k"], tensors["v"]
+    fastattn_torch.scaled_dot_product_attention(q, k, v)
+    options = AttentionOptions()
+    call = _validation.prepare("forward", tensors, options)
+    out, _ = functional.run_forward(call)
+    grads = {name: torch.from_numpy(a[name].copy()).requires_grad_() for name in ("q", "k", "v")}
+    leaves = (grads["q"], grads["k"], grads["v"])
+    dout = torch.from_numpy(a["dout"])
+    return {
+        "torch: three tensors viewed (_arrays.natives_of)": lambda: _arrays.natives_of(tensors, {}),
+        "torch: prepare (views, key, remembered problem)": lambda: _validation.prepare("forward", tensors, options),
+        "torch: run and hand back (functional.finish_forward)": lambda: functional.finish_forward(call),
+        "torch: hand-back alone (torch.from_numpy)": lambda: torch.from_numpy(out),
+        "torch: whole no-grad call": lambda: fastattn_torch.scaled_dot_product_attention(q, k, v),
+        "torch: identity autograd.Function.apply (grad)": lambda: _Identity.apply(*leaves),
+        "torch: identity autograd.Function forward+backward (grad)": lambda: torch.autograd.grad(
+            _Identity.apply(*leaves), leaves, dout, allow_unused=True
+        ),
+    }
+
+
 def _grad_mode(name: str) -> bool:
     """Inference calls (no_grad, the numpy ones, the layer steps) run with autograd off; the mode
     is set around each timed loop, not per call, as a model's decode loop would."""
@@ -162,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--calls", type=int, default=2000)
-    parser.add_argument("--stages", action="store_true", help="also time the numpy forward's stages")
+    parser.add_argument("--stages", action="store_true", help="also time the stages of the forwards")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
 
@@ -186,9 +225,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.stages:
         stage_times = interleaved(stages(rng), args.rounds, args.calls)
         stage_medians = {name: statistics.median(values) for name, values in stage_times.items()}
-        print("\nstages of the numpy forward (each timed alone):")
+        stage_times.update(interleaved(torch_stages(rng), args.rounds, args.calls))
+        stage_medians = {name: statistics.median(values) for name, values in stage_times.items()}
+        print("\nstages of the numpy and fastattn.torch forwards, and the floor of autograd (each timed alone):")
         for name, median in stage_medians.items():
-            print(f"  {name:55s} {median:8.2f} us")
+            print(f"  {name:60s} {median:8.2f} us")
 
     result = {
         "date": datetime.date.today().isoformat(),

@@ -117,7 +117,7 @@ def to_native(value: Any, name: str) -> tuple[Any, ArrayOrigin]:
     """
     if isinstance(value, np.ndarray):
         return value, NUMPY_ORIGIN
-    if (_torch is not None and type(value) is _torch.Tensor) or array_api_compat.is_torch_array(value):
+    if (_torch is not None and type(value) is _torch_tensor) or array_api_compat.is_torch_array(value):
         return _torch_to_native(value, name)
     if array_api_compat.is_cupy_array(value):
         return value, ArrayOrigin("cupy", "cuda", int(value.device.id))
@@ -139,18 +139,25 @@ def to_native(value: Any, name: str) -> tuple[Any, ArrayOrigin]:
 
 
 _TORCH_CPU = ArrayOrigin("torch", "cpu", 0)
-#: The torch module, once the first tensor has come through (``import fastattn`` never imports it).
+#: torch, its Tensor type and its DLPack export, once the first tensor has come through
+#: (``import fastattn`` never imports torch).
 _torch: Any = None
+_torch_tensor: Any = None
+_to_dlpack: Any = None
+
+
+def _import_torch() -> None:
+    global _torch, _torch_tensor, _to_dlpack
+    import torch
+    import torch.utils.dlpack
+
+    _torch, _torch_tensor, _to_dlpack = torch, torch.Tensor, torch.utils.dlpack.to_dlpack
 
 
 def _torch_to_native(tensor: Any, name: str) -> tuple[Any, ArrayOrigin]:
-    global _torch
     if _torch is None:
-        import torch
-        import torch.utils.dlpack
-
-        _torch = torch
-    native = _dlpack.tensor_view(tensor, _torch.Tensor, _torch.utils.dlpack.to_dlpack)
+        _import_torch()
+    native = _dlpack.tensor_view(tensor, _torch_tensor, _to_dlpack)
     if native is not None:
         return native, _TORCH_CPU
     if tensor.requires_grad:
@@ -191,7 +198,7 @@ def natives_of(arrays: dict[str, Any], labels: dict[str, str]) -> tuple[dict[str
         One origin shared by every array (a call of torch CPU tensors), or each array's own.
     """
     if _torch is not None:
-        views = _dlpack.tensor_views(arrays, _torch.Tensor, _torch.utils.dlpack.to_dlpack)
+        views = _dlpack.tensor_views(arrays, _torch_tensor, _to_dlpack)
         if views is not None:
             return views, _TORCH_CPU
     natives: dict[str, Any] = {}
@@ -211,6 +218,8 @@ def from_native(native: Any, origin: ArrayOrigin) -> Any:
     origin : ArrayOrigin
         As returned by :func:`to_native` for the caller's input.
     """
+    if origin is _TORCH_CPU and native.dtype != bfloat16:  # the common torch case, first
+        return _torch.from_numpy(native)
     if origin.framework in ("numpy", "cupy"):
         return native
     if origin.framework == "torch":  # _torch_to_native has imported torch

@@ -57,19 +57,33 @@ cdef int _DL_BFLOAT = 4
 cdef int _DL_BOOL = 6
 cdef int _MAX_AXES = 32
 
-#: numpy dtype of each DLPack (type code, bits) viewed here.
-cdef dict _DTYPES = {
-    (_DL_FLOAT, 16): np.dtype(np.float16),
-    (_DL_FLOAT, 32): np.dtype(np.float32),
-    (_DL_FLOAT, 64): np.dtype(np.float64),
-    (_DL_BFLOAT, 16): np.dtype(ml_dtypes.bfloat16),
-    (_DL_BOOL, 8): np.dtype(np.bool_),
-    (_DL_INT, 8): np.dtype(np.int8),
-    (_DL_INT, 16): np.dtype(np.int16),
-    (_DL_INT, 32): np.dtype(np.int32),
-    (_DL_INT, 64): np.dtype(np.int64),
-    (_DL_UINT, 8): np.dtype(np.uint8),
-}
+cdef object _FLOAT16 = np.dtype(np.float16)
+cdef object _FLOAT32 = np.dtype(np.float32)
+cdef object _FLOAT64 = np.dtype(np.float64)
+cdef object _BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+cdef object _BOOL = np.dtype(np.bool_)
+cdef object _INT8 = np.dtype(np.int8)
+cdef object _INT16 = np.dtype(np.int16)
+cdef object _INT32 = np.dtype(np.int32)
+cdef object _INT64 = np.dtype(np.int64)
+cdef object _UINT8 = np.dtype(np.uint8)
+
+
+cdef object _numpy_dtype(DLDataType dtype):
+    """The numpy dtype of a DLPack (type code, bits) viewed here, or None."""
+    if dtype.code == _DL_FLOAT:
+        return _FLOAT32 if dtype.bits == 32 else _FLOAT16 if dtype.bits == 16 else _FLOAT64 if dtype.bits == 64 else None
+    if dtype.code == _DL_BFLOAT:
+        return _BFLOAT16 if dtype.bits == 16 else None
+    if dtype.code == _DL_BOOL:
+        return _BOOL if dtype.bits == 8 else None
+    if dtype.code == _DL_INT:
+        if dtype.bits == 64:
+            return _INT64
+        return _INT32 if dtype.bits == 32 else _INT16 if dtype.bits == 16 else _INT8 if dtype.bits == 8 else None
+    if dtype.code == _DL_UINT:
+        return _UINT8 if dtype.bits == 8 else None
+    return None
 
 
 def host_view(object capsule):
@@ -85,15 +99,15 @@ def host_view(object capsule):
     -------
     numpy.ndarray or None
         The same memory, shape and strides, with the capsule as its base; None for a capsule of
-        another name, a tensor off the host, vector lanes, more than 32 axes or a dtype not in
-        the table above.
+        another name, a tensor off the host, vector lanes, more than 32 axes or a dtype other
+        than float16/32/64, bfloat16, bool, int8/16/32/64 and uint8.
     """
     if not PyCapsule_IsValid(capsule, "dltensor"):
         return None
     cdef DLTensor* tensor = &(<DLManagedTensor*> PyCapsule_GetPointer(capsule, "dltensor")).dl_tensor
     if tensor.device.device_type != _DL_CPU or tensor.dtype.lanes != 1 or tensor.ndim > _MAX_AXES:
         return None
-    descr = _DTYPES.get((tensor.dtype.code, tensor.dtype.bits))
+    descr = _numpy_dtype(tensor.dtype)
     if descr is None:
         return None
     cdef int ndim = tensor.ndim

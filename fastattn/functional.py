@@ -397,24 +397,27 @@ def sdpa_arguments(
         raise ValueError(
             "attn_mask: expected None when is_causal=True (PyTorch's rule), received an array"
         )
-    ndim = _sdpa_ndim("query", query)
-    if _sdpa_ndim("key", key) != ndim or _sdpa_ndim("value", value) != ndim:
-        ndims = {"query": ndim, "key": key.ndim, "value": value.ndim}
-        raise ValueError(f"key, value: expected the same number of axes as query, received {ndims}")
+    ndim = getattr(query, "ndim", None)
+    if ndim != 4 or getattr(key, "ndim", None) != 4 or getattr(value, "ndim", None) != 4:  # not the common case
+        ndim = _sdpa_ndim("query", query)
+        if _sdpa_ndim("key", key) != ndim or _sdpa_ndim("value", value) != ndim:
+            ndims = {"query": ndim, "key": key.ndim, "value": value.ndim}
+            raise ValueError(f"key, value: expected the same number of axes as query, received {ndims}")
     unbatched_heads = ndim == 3
     if unbatched_heads:
         query, key, value = (x[:, None] for x in (query, key, value))
         if getattr(attn_mask, "ndim", 0) == 3:
             attn_mask = attn_mask[:, None]
-    if not enable_gqa and query.shape[1] != key.shape[1]:
-        raise ValueError(
-            f"key: expected {query.shape[1]} heads like query (pass enable_gqa=True for grouped-query "
-            f"attention), received {key.shape[1]}"
-        )
     options = AttentionOptions(
         is_causal, scale, attn_mask, None, None, None, "bhsd", dropout_p, dropout_seed, 0, False, backend
     )
     call = _validation.prepare("forward", {"q": query, "k": key, "v": value}, options, labels=_SDPA_LABELS)
+    problem = call.problem
+    if not enable_gqa and problem.heads_q != problem.heads_kv:  # heads that do not divide raised above
+        raise ValueError(
+            f"key: expected {problem.heads_q} heads like query (pass enable_gqa=True for grouped-query "
+            f"attention), received {problem.heads_kv}"
+        )
     return SdpaArguments(call, query, key, value, attn_mask, unbatched_heads)
 
 

@@ -71,13 +71,27 @@ def _tensors(call: PreparedCall, out: Any, lse: Any) -> tuple[torch.Tensor, torc
     return result, _arrays.from_native(lse, call.origin)
 
 
-def _run(call: PreparedCall, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, Any]:
+def _needs_grad(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether a gradient can flow from the call's output to its inputs."""
+    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+
+
+def _run(
+    call: PreparedCall, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, needs_grad: bool
+) -> tuple[torch.Tensor, Any]:
     """``(out, lse)`` of a validated call: through autograd when a gradient can flow, else directly
     (then lse is None unless the options ask for it)."""
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+    if needs_grad:
         return _AttentionFunction.apply(q, k, v, call)
     returned = functional.finish_forward(call)
     return returned if call.options.return_lse else (returned, None)
+
+
+def _backend_for(backend: Any, needs_grad: bool) -> Any:
+    """The backend a call names; with a gradient to come, the one requested now (by the argument,
+    ``use_backend`` or ``FASTATTN_BACKEND``), which then runs the backward too.  Without one, the
+    argument as given: selection reads the rest once, when the call runs."""
+    return registry.requested_backend(backend)[0] if needs_grad else backend
 
 
 def _dropout_seed(dropout_p: Any, dropout_seed: Any) -> Any:
@@ -158,12 +172,13 @@ def attention(
         The requested backend cannot run the call, or ``mask`` requires grad.
     """
     _check_mask("mask", mask)
+    needs_grad = _needs_grad(q, k, v)
     options = AttentionOptions(
         causal, scale, mask, key_lengths, window, softcap, layout, dropout_p, _dropout_seed(dropout_p, dropout_seed),
-        dropout_offset, return_lse, registry.requested_backend(backend)[0],
+        dropout_offset, return_lse, _backend_for(backend, needs_grad),
     )  # fmt: skip
     call = _validation.prepare("forward", {"q": q, "k": k, "v": v}, options)
-    out, lse = _run(call, q, k, v)
+    out, lse = _run(call, q, k, v, needs_grad)
     return (out, lse) if return_lse else out
 
 
@@ -205,9 +220,10 @@ def scaled_dot_product_attention(
         Unlike PyTorch, a row that sees no key gives zeros (and zero gradients), not NaN.
     """
     _check_mask("attn_mask", attn_mask)
+    needs_grad = _needs_grad(query, key, value)
     arguments = functional.sdpa_arguments(
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-        dropout_seed=_dropout_seed(dropout_p, None), backend=registry.requested_backend(None)[0],
+        dropout_seed=_dropout_seed(dropout_p, None), backend=_backend_for(None, needs_grad),
     )  # fmt: skip
-    out = _run(arguments.call, arguments.query, arguments.key, arguments.value)[0]
+    out = _run(arguments.call, arguments.query, arguments.key, arguments.value, needs_grad)[0]
     return out[:, 0] if arguments.unbatched_heads else out
