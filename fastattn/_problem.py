@@ -102,9 +102,11 @@ class AttentionProblem:
         """Query heads per kv head, ``Hq // Hkv``."""
         return self.heads_q // self.heads_kv
 
-    @property
+    @functools.cached_property
     def is_empty(self) -> bool:
-        """No work: B, Sq or Sk is 0 (out is then all 0 with lse -inf, and the gradients are 0)."""
+        """No work: B, Sq or Sk is 0 (out is then all 0 with lse -inf, and the gradients are 0).
+
+        Read on every call, so kept once computed (the problem is immutable)."""
         return self.batch == 0 or self.seq_q == 0 or self.seq_k == 0
 
     @property

@@ -134,7 +134,9 @@ def run_forward(call: PreparedCall) -> tuple[Any, Any]:
 def finish_forward(call: PreparedCall) -> Any:
     """Run a prepared forward call and hand the results back in the caller's framework."""
     out, lse = run_forward(call)
-    result = _arrays.from_native(_arrays.swap_layout(out, call.problem.layout), call.origin)
+    if call.problem.layout == "bshd":
+        out = out.swapaxes(1, 2)
+    result = _arrays.from_native(out, call.origin)
     if call.options.return_lse:
         return result, _arrays.from_native(lse, call.origin)
     return result

@@ -219,11 +219,16 @@ def scaled_dot_product_attention(
         In query's dtype and on its device, differentiable with respect to query, key and value.
         Unlike PyTorch, a row that sees no key gives zeros (and zero gradients), not NaN.
     """
-    _check_mask("attn_mask", attn_mask)
+    if attn_mask is not None:
+        _check_mask("attn_mask", attn_mask)
     needs_grad = _needs_grad(query, key, value)
     arguments = functional.sdpa_arguments(
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-        dropout_seed=_dropout_seed(dropout_p, None), backend=_backend_for(None, needs_grad),
+        dropout_seed=_dropout_seed(dropout_p, None) if dropout_p else None,
+        backend=registry.requested_backend(None)[0] if needs_grad else None,
     )  # fmt: skip
-    out = _run(arguments.call, arguments.query, arguments.key, arguments.value, needs_grad)[0]
+    if needs_grad:
+        out = _AttentionFunction.apply(arguments.query, arguments.key, arguments.value, arguments.call)[0]
+    else:
+        out = functional.finish_forward(arguments.call)
     return out[:, 0] if arguments.unbatched_heads else out

@@ -257,10 +257,15 @@ def select(problem: AttentionProblem, argument: str | None = None) -> Backend:
     UnsupportedError
         The requested backend cannot run it, or (automatic selection) none can.
     """
-    name, source = requested_backend(argument)
+    name = argument
+    if name is None:  # requested_backend's order, without building the source's words on every call
+        name = _requested.get()
+        if name is None:
+            name = _environment_request() or None
     remembered = _registry.selected.get((problem, name))
     if remembered is not None:
         return remembered
+    name, source = requested_backend(argument)
     backend = _select(problem, name, source)
     if len(_registry.selected) >= _SELECTIONS_KEPT:
         _registry.selected.clear()
