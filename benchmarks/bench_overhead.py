@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 import fastattn
 import fastattn.torch as fastattn_torch
@@ -149,6 +150,26 @@ class _Identity(torch.autograd.Function):
         return dout, None, None
 
 
+class _Shaped(torch.autograd.Function):
+    """An autograd function shaped like fastattn.torch's (q, k, v and a Python object in; out and a
+    non-differentiable lse out; five tensors saved; a once-differentiable backward returning three
+    fresh gradients), doing no attention: what torch's autograd costs that shape per call."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: Any) -> tuple[torch.Tensor, ...]:
+        out, lse = torch.from_numpy(np.empty(q.shape, np.float32)), torch.from_numpy(np.empty(q.shape[:3], np.float32))
+        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out, lse
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, dout: torch.Tensor, dlse: Any) -> tuple[Any, ...]:
+        q, k, v, _, _ = ctx.saved_tensors
+        return (*(torch.from_numpy(np.empty(x.shape, np.float32)) for x in (q, k, v)), None)
+
+
 def torch_stages(rng: np.random.Generator) -> dict[str, Callable[[], Any]]:
     """``fastattn.torch``'s no-grad forward in stages, and the floor of a Python autograd function."""
     a = _tiny_inputs(rng)
@@ -170,6 +191,10 @@ def torch_stages(rng: np.random.Generator) -> dict[str, Callable[[], Any]]:
         "torch: identity autograd.Function.apply (grad)": lambda: _Identity.apply(*leaves),
         "torch: identity autograd.Function forward+backward (grad)": lambda: torch.autograd.grad(
             _Identity.apply(*leaves), leaves, dout, allow_unused=True
+        ),
+        "torch: fastattn-shaped autograd.Function, no attention, forward (grad)": lambda: _Shaped.apply(*leaves, None),
+        "torch: fastattn-shaped autograd.Function, no attention, forward+backward (grad)": lambda: torch.autograd.grad(
+            _Shaped.apply(*leaves, None)[0], leaves, dout
         ),
     }
 
@@ -229,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
         stage_medians = {name: statistics.median(values) for name, values in stage_times.items()}
         print("\nstages of the numpy and fastattn.torch forwards, and the floor of autograd (each timed alone):")
         for name, median in stage_medians.items():
-            print(f"  {name:60s} {median:8.2f} us")
+            print(f"  {name:80s} {median:8.2f} us")
 
     result = {
         "date": datetime.date.today().isoformat(),

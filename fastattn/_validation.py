@@ -481,7 +481,8 @@ def prepare(
         origin = origins["q"] if type(origins) is dict else origins
     offset = options.dropout_offset
     if validated.plain and options.dropout_seed is None and type(offset) is int and offset == 0:
-        return PreparedCall(validated.problem, natives, _NO_EXTRAS, origin, options)
+        # tuple.__new__ builds the NamedTuple without its Python-level __new__ (0.1 us of a call).
+        return tuple.__new__(PreparedCall, (validated.problem, natives, _NO_EXTRAS, origin, options))
     return _finish_prepare(direction, validated, natives, mask, lengths, origin, options)
 
 

@@ -410,8 +410,10 @@ def sdpa_arguments(
         query, key, value = (x[:, None] for x in (query, key, value))
         if getattr(attn_mask, "ndim", 0) == 3:
             attn_mask = attn_mask[:, None]
-    options = AttentionOptions(
-        is_causal, scale, attn_mask, None, None, None, "bhsd", dropout_p, dropout_seed, 0, False, backend
+    # tuple.__new__ builds the NamedTuples without their Python-level __new__ (0.1 us each).
+    options = tuple.__new__(
+        AttentionOptions,
+        (is_causal, scale, attn_mask, None, None, None, "bhsd", dropout_p, dropout_seed, 0, False, backend),
     )
     call = _validation.prepare("forward", {"q": query, "k": key, "v": value}, options, labels=_SDPA_LABELS)
     problem = call.problem
@@ -420,7 +422,7 @@ def sdpa_arguments(
             f"key: expected {problem.heads_q} heads like query (pass enable_gqa=True for grouped-query "
             f"attention), received {problem.heads_kv}"
         )
-    return SdpaArguments(call, query, key, value, attn_mask, unbatched_heads)
+    return tuple.__new__(SdpaArguments, (call, query, key, value, attn_mask, unbatched_heads))
 
 
 _SDPA_LABELS = {"q": "query", "k": "key", "v": "value", "mask": "attn_mask"}

@@ -47,6 +47,7 @@ class _AttentionFunction(torch.autograd.Function):
         out_native, lse_native = functional.run_forward(call)
         out, lse = _tensors(call, out_native, lse_native)
         ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)  # a gradient that did not flow stays None, not a tensor of zeros
         # Saved so that autograd refuses a backward after any of them was modified in place.
         extras = [x for x in (call.options.mask, call.options.key_lengths) if isinstance(x, torch.Tensor)]
         ctx.save_for_backward(q, k, v, out, lse, *extras)
@@ -56,8 +57,10 @@ class _AttentionFunction(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: Any, dout: torch.Tensor, dlse: Any) -> tuple[Any, ...]:
+    def backward(ctx: Any, dout: torch.Tensor | None, dlse: Any) -> tuple[Any, ...]:
         ctx.saved_tensors  # noqa: B018 (reading them is autograd's check for in-place changes)
+        if dout is None:  # no gradient reached out (gradcheck asks this of lse alone): none flows back
+            return None, None, None, None
         out, lse = ctx.natives
         call = _validation.prepare_gradient(ctx.call, out, lse, dout)
         dq, dk, dv = functional.finish_backward(call)

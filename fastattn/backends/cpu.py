@@ -58,12 +58,27 @@ def _threads_for(problem: AttentionProblem, threads: int) -> int:
     return 1 if work < SINGLE_THREAD_WORK else threads
 
 
-@functools.lru_cache(maxsize=256)
+#: How many plans each direction keeps before it starts afresh.
+PLANS_KEPT = 256
+_forward_plans: dict[tuple[int, int], tuple[AttentionProblem, _flash.ForwardPlan]] = {}
+
+
 def forward_plan(problem: AttentionProblem, threads: int) -> _flash.ForwardPlan:
-    """The forward kernel's parameters for ``problem`` with ``threads`` configured, built once."""
-    threads = _threads_for(problem, threads)
-    block_queries, splits = plan(problem, threads)
-    return _flash.ForwardPlan(problem, block_queries, KEY_TILE, splits, threads)
+    """The forward kernel's parameters for ``problem`` with ``threads`` configured, built once.
+
+    Kept by the problem's identity (validation hands out one object per distinct problem), as the
+    registry keeps its selections: an equal problem of another identity only builds its own plan.
+    """
+    kept = _forward_plans.get((id(problem), threads))
+    if kept is not None and kept[0] is problem:
+        return kept[1]
+    used = _threads_for(problem, threads)
+    block_queries, splits = plan(problem, used)
+    built = _flash.ForwardPlan(problem, block_queries, KEY_TILE, splits, used)
+    if len(_forward_plans) >= PLANS_KEPT:
+        _forward_plans.clear()
+    _forward_plans[(id(problem), threads)] = (problem, built)
+    return built
 
 
 @functools.lru_cache(maxsize=256)

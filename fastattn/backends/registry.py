@@ -111,7 +111,10 @@ class _Registry:
     backends: dict[str, Backend] = field(default_factory=dict)
     unavailable: dict[str, str] = field(default_factory=dict)
     #: (problem, requested name or None) -> the backend select() chose; emptied on every change.
-    selected: dict[tuple[AttentionProblem, str | None], Backend] = field(default_factory=dict)
+    # Keyed by the problem's identity (validation hands out one object per distinct problem): hashing
+    # a problem is a Python call, an id is not.  The entry holds the problem, which keeps its id
+    # from being reused while the entry lives, and is checked to be the same object.
+    selected: dict[tuple[int, str | None], tuple[AttentionProblem, Backend]] = field(default_factory=dict)
 
     def changed(self) -> None:
         self.selected.clear()
@@ -262,14 +265,14 @@ def select(problem: AttentionProblem, argument: str | None = None) -> Backend:
         name = _requested.get()
         if name is None:
             name = _environment_request() or None
-    remembered = _registry.selected.get((problem, name))
-    if remembered is not None:
-        return remembered
+    remembered = _registry.selected.get((id(problem), name))
+    if remembered is not None and remembered[0] is problem:
+        return remembered[1]
     name, source = requested_backend(argument)
     backend = _select(problem, name, source)
     if len(_registry.selected) >= _SELECTIONS_KEPT:
         _registry.selected.clear()
-    _registry.selected[(problem, name)] = backend
+    _registry.selected[(id(problem), name)] = (problem, backend)
     return backend
 
 
