@@ -3,6 +3,7 @@ problem of a repeated call shape never skips a check that the new arrays need.""
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 
 import numpy as np
@@ -12,6 +13,8 @@ import torch
 import fastattn
 import fastattn.torch as fastattn_torch
 from fastattn import _validation
+from fastattn._options import AttentionOptions
+from fastattn.backends import cpu, registry
 from fastattn.nn import KVCache, MultiheadAttention
 
 
@@ -174,3 +177,18 @@ def test_the_registry_forgets_its_choices_when_backends_change() -> None:
     finally:
         fastattn.backends.register(cpu)
     assert fastattn.explain(q, k, v).chosen == "cpu"
+
+
+def test_plans_and_selections_are_kept_per_problem_object() -> None:
+    """Kept by identity: the same problem meets its plan and backend again; an equal problem of
+    another identity gets its own, which computes the same result."""
+    q, k, v, _ = _inputs(np.random.default_rng())
+    call = _validation.prepare("forward", {"q": q, "k": k, "v": v}, AttentionOptions())
+    twin = dataclasses.replace(call.problem)
+    assert twin == call.problem and twin is not call.problem
+    assert cpu.forward_plan(call.problem, 2) is cpu.forward_plan(call.problem, 2)
+    assert registry.select(twin) is registry.select(call.problem)
+    out, lse = cpu.forward_plan(call.problem, 2).run(q, k, v, call.extras)
+    twin_out, twin_lse = cpu.forward_plan(twin, 2).run(q, k, v, call.extras)
+    np.testing.assert_array_equal(out, twin_out)
+    np.testing.assert_array_equal(lse, twin_lse)

@@ -7,7 +7,6 @@ algorithms and tile sizes.  Every contract feature is handled inside the kernels
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any
 
@@ -81,11 +80,21 @@ def forward_plan(problem: AttentionProblem, threads: int) -> _flash.ForwardPlan:
     return built
 
 
-@functools.lru_cache(maxsize=256)
+_backward_plans: dict[tuple[int, int], tuple[AttentionProblem, _flash.BackwardPlan]] = {}
+
+
 def backward_plan(problem: AttentionProblem, threads: int) -> _flash.BackwardPlan:
-    """The backward kernels' parameters for ``problem`` with ``threads`` configured, built once."""
+    """The backward kernels' parameters for ``problem`` with ``threads`` configured, built once
+    (kept like :func:`forward_plan`'s)."""
+    kept = _backward_plans.get((id(problem), threads))
+    if kept is not None and kept[0] is problem:
+        return kept[1]
     block_queries = max(1, TILE_ROWS // problem.group_size)
-    return _flash.BackwardPlan(problem, block_queries, KEY_TILE, _threads_for(problem, threads))
+    built = _flash.BackwardPlan(problem, block_queries, KEY_TILE, _threads_for(problem, threads))
+    if len(_backward_plans) >= PLANS_KEPT:
+        _backward_plans.clear()
+    _backward_plans[(id(problem), threads)] = (problem, built)
+    return built
 
 
 class CpuBackend:
