@@ -138,7 +138,8 @@ def to_native(value: Any, name: str) -> tuple[Any, ArrayOrigin]:
     )
 
 
-_TORCH_CPU = ArrayOrigin("torch", "cpu", 0)
+#: The origin of every torch CPU tensor.
+TORCH_CPU = ArrayOrigin("torch", "cpu", 0)
 #: torch, its Tensor type and its DLPack export, once the first tensor has come through
 #: (``import fastattn`` never imports torch).
 _torch: Any = None
@@ -159,7 +160,7 @@ def _torch_to_native(tensor: Any, name: str) -> tuple[Any, ArrayOrigin]:
         _import_torch()
     native = _dlpack.tensor_view(tensor, _torch_tensor, _to_dlpack)
     if native is not None:
-        return native, _TORCH_CPU
+        return native, TORCH_CPU
     if tensor.requires_grad:
         tensor = tensor.detach()
     if not tensor.is_cpu:
@@ -177,7 +178,15 @@ def _torch_to_native(tensor: Any, name: str) -> tuple[Any, ArrayOrigin]:
             f"{name}: expected a dense array of a supported dtype that DLPack can share, "
             f"received {describe_value(tensor)} ({type(error).__name__}: {error})"
         ) from error
-    return (native.view(bfloat16) if bits is not tensor else native), _TORCH_CPU
+    return (native.view(bfloat16) if bits is not tensor else native), TORCH_CPU
+
+
+def torch_cpu_views(arrays: dict[str, Any]) -> dict[str, Any] | None:
+    """Read-only numpy views of a call's arrays when every one is a torch CPU tensor that
+    ``_dlpack.tensor_view`` views (made in C), else None."""
+    if _torch is None:  # no tensor has come through yet: the general path imports torch
+        return None
+    return _dlpack.tensor_views(arrays, _torch_tensor, _to_dlpack)
 
 
 def natives_of(arrays: dict[str, Any], labels: dict[str, str]) -> tuple[dict[str, Any], Any]:
@@ -197,10 +206,9 @@ def natives_of(arrays: dict[str, Any], labels: dict[str, str]) -> tuple[dict[str
     origins : ArrayOrigin or dict of str to ArrayOrigin
         One origin shared by every array (a call of torch CPU tensors), or each array's own.
     """
-    if _torch is not None:
-        views = _dlpack.tensor_views(arrays, _torch_tensor, _to_dlpack)
-        if views is not None:
-            return views, _TORCH_CPU
+    views = torch_cpu_views(arrays)
+    if views is not None:
+        return views, TORCH_CPU
     natives: dict[str, Any] = {}
     origins: dict[str, ArrayOrigin] = {}
     for name, value in arrays.items():
@@ -218,7 +226,7 @@ def from_native(native: Any, origin: ArrayOrigin) -> Any:
     origin : ArrayOrigin
         As returned by :func:`to_native` for the caller's input.
     """
-    if origin is _TORCH_CPU and native.dtype != bfloat16:  # the common torch case, first
+    if origin is TORCH_CPU and native.dtype != bfloat16:  # the common torch case, first
         return _torch.from_numpy(native)
     if origin.framework in ("numpy", "cupy"):
         return native

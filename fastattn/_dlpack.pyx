@@ -132,13 +132,14 @@ def host_view(object capsule):
 
 
 cdef object _tensor_view(object tensor, object tensor_type, object to_dlpack):
-    if type(tensor) is not tensor_type or not tensor.is_cpu or tensor.is_neg():
+    if type(tensor) is not tensor_type or tensor.is_neg():
         return None
     try:
         capsule = to_dlpack(tensor)
-    except RuntimeError:  # no exportable storage (sparse, ...): the general path names the problem
+    except (BufferError, RuntimeError, TypeError, ValueError):  # not exportable (sparse, meta, ...):
+        # the general path names the problem
         return None
-    return host_view(capsule)
+    return host_view(capsule)  # None off the host: the capsule says where the memory is
 
 
 def tensor_view(object tensor, object tensor_type, object to_dlpack):

@@ -224,7 +224,7 @@ def scaled_dot_product_attention(
     """
     if attn_mask is not None:
         _check_mask("attn_mask", attn_mask)
-    needs_grad = _needs_grad(query, key, value)
+    needs_grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
     arguments = functional.sdpa_arguments(
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
         dropout_seed=_dropout_seed(dropout_p, None) if dropout_p else None,

@@ -52,6 +52,9 @@ def test_a_view_keeps_its_tensor_alive() -> None:
 def test_no_view_where_one_would_be_wrong() -> None:
     values = torch.randn(4, 4)
     assert _view(torch._neg_view(values)) is None  # DLPack exports the memory without the sign
+    imaginary = torch.randn(4, dtype=torch.complex64).conj().imag  # public ops make negative-bit views
+    assert imaginary.is_neg() and _view(imaginary) is None
+    assert _view(torch.empty(4, 4, device="meta")) is None
     assert _view(values.to_sparse()) is None
     assert _view(torch.nn.Parameter(values)) is None  # another type: the general path
     assert _view(values.to(torch.complex64)) is None
