@@ -173,10 +173,10 @@ def launches(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, tuple, tuple, i
         cuda=types.SimpleNamespace(get_current_stream=contextlib.nullcontext, Device=lambda *index: device),
     )  # fmt: skip
     monkeypatch.setitem(sys.modules, "cupy", fake)
-    _launch.compiled.cache_clear()
+    _launch._device_kernel.cache_clear()
     _launch._multiprocessors.cache_clear()
     yield recorded
-    _launch.compiled.cache_clear()
+    _launch._device_kernel.cache_clear()
     _launch._multiprocessors.cache_clear()
 
 

@@ -7,10 +7,15 @@ header recompiles).  nvcc (CI's compile check) finds the same headers next to th
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import importlib
+import os
 import re
+from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -43,7 +48,40 @@ def source_text(name: str) -> str:
     return expand(name)
 
 
-@functools.cache
+_EMULATED: contextvars.ContextVar[bool] = contextvars.ContextVar("fastattn_gpu_emulated", default=False)
+#: Streaming multiprocessors the emulated device reports: an H100 SXM's, so that split plans and
+#: grids are the ones an H100 gets (``FASTATTN_EMULATED_SMS`` sets another count).
+EMULATED_MULTIPROCESSORS = 132
+#: The most dynamic shared memory one block may opt into on the emulated device (an H100's).
+EMULATED_SHARED_MEMORY_PER_BLOCK = 227 * 1024
+
+
+@contextlib.contextmanager
+def emulated() -> Iterator[None]:
+    """Within the block, launch kernels on the SIMT emulator (``fastattn/_gpu/emulator``) with host
+    numpy arrays standing in for device arrays, instead of on a GPU through CuPy."""
+    token = _EMULATED.set(True)
+    try:
+        yield
+    finally:
+        _EMULATED.reset(token)
+
+
+def is_emulated() -> bool:
+    """Whether launches go to the SIMT emulator (inside :func:`emulated`)."""
+    return _EMULATED.get()
+
+
+def array_module() -> ModuleType:
+    """The array module of device arrays: CuPy, or numpy on the emulator."""
+    return np if _EMULATED.get() else importlib.import_module("cupy")
+
+
+def address(array: Any) -> int:
+    """The address of a device array's first element (a host address on the emulator)."""
+    return int(array.ctypes.data) if isinstance(array, np.ndarray) else int(array.data.ptr)
+
+
 def compiled(source: str, name: str, shared_bytes: int) -> Any:
     """The kernel ``name`` (a template instance) of ``kernels/<source>``, compiled once per process.
 
@@ -55,7 +93,27 @@ def compiled(source: str, name: str, shared_bytes: int) -> Any:
         Fully qualified name expression, e.g. ``"fastattn_gpu::fp32_forward<128>"``.
     shared_bytes : int
         Dynamic shared memory the launches will ask for (raises the 48 KiB default limit).
+
+    Returns
+    -------
+    callable
+        ``kernel(grid, block, args, shared_mem=...)``: a CuPy ``RawKernel``, or the emulator's
+        kernel inside :func:`emulated`.
     """
+    if _EMULATED.get():
+        return _emulated_kernel(source, name)
+    return _device_kernel(source, name, shared_bytes)
+
+
+@functools.cache
+def _emulated_kernel(source: str, name: str) -> Any:
+    from . import emulator
+
+    return emulator.compile_source(source_text(source), (name,)).get_function(name)
+
+
+@functools.cache
+def _device_kernel(source: str, name: str, shared_bytes: int) -> Any:
     cupy = importlib.import_module("cupy")
     module = cupy.RawModule(code=source_text(source), options=("--std=c++17",), name_expressions=(name,))
     function = module.get_function(name)
@@ -75,7 +133,9 @@ def strides2(array: Any) -> list[np.int64]:
 
 
 def stream(framework: str) -> Any:
-    """The caller's current stream: torch's for torch tensors, else CuPy's."""
+    """The caller's current stream: torch's for torch tensors, else CuPy's (none on the emulator)."""
+    if _EMULATED.get():
+        return contextlib.nullcontext()
     cupy = importlib.import_module("cupy")
     if framework == "torch":
         import torch
@@ -112,7 +172,9 @@ def contract_arguments(problem: AttentionProblem, extras: AttentionExtras) -> li
 
 
 def multiprocessors() -> int:
-    """Streaming multiprocessors of the current device."""
+    """Streaming multiprocessors of the current device (the emulated device's inside :func:`emulated`)."""
+    if _EMULATED.get():
+        return int(os.environ.get("FASTATTN_EMULATED_SMS", EMULATED_MULTIPROCESSORS))
     cupy = importlib.import_module("cupy")
     return _multiprocessors(int(cupy.cuda.Device().id))
 

@@ -11,7 +11,6 @@ is compiled once per process, like the forward's.
 
 from __future__ import annotations
 
-import importlib
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -19,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from .._problem import AttentionExtras, AttentionProblem
-from . import forward
+from . import _launch, forward
 from ._launch import ELEMENTS, compiled, contract_arguments, stream, strides3
 
 SOURCE = "flash_backward.cu"
@@ -116,11 +115,14 @@ def aligned(array: Any) -> Any:
 
     The kernels copy rows in 16-byte chunks (cp.async and vector loads).
     """
-    cupy = importlib.import_module("cupy")
-    offsets = [array.data.ptr, *(stride for size, stride in zip(array.shape[:3], array.strides[:3]) if size > 1)]
+    xp = _launch.array_module()
+    offsets = [
+        _launch.address(array),
+        *(stride for size, stride in zip(array.shape[:3], array.strides[:3]) if size > 1),
+    ]
     if all(offset % 16 == 0 for offset in offsets):
         return array
-    return cupy.ascontiguousarray(array)
+    return xp.ascontiguousarray(array)
 
 
 def backward(
@@ -144,7 +146,7 @@ def backward(
     extras : AttentionExtras
         Mask and key_lengths as given to the forward.
     """
-    cupy = importlib.import_module("cupy")
+    xp = _launch.array_module()
     q, k, v, dout, out, lse = (arrays[name] for name in ("q", "k", "v", "dout", "out", "lse"))
     dq, dk, dv = grads
     head_dim, deterministic = problem.head_dim, problem.deterministic
@@ -155,9 +157,9 @@ def backward(
     with stream(problem.framework):
         # Scratch allocated on the launch stream, so that CuPy's pool cannot hand it to another
         # stream while these kernels still use it.
-        lse2 = cupy.empty(rows, dtype=cupy.float32)
-        delta = cupy.empty(rows, dtype=cupy.float32)
-        dq_accum = None if deterministic else cupy.empty(rows * head_dim, dtype=cupy.float32)
+        lse2 = xp.empty(rows, dtype=xp.float32)
+        delta = xp.empty(rows, dtype=xp.float32)
+        dq_accum = None if deterministic else xp.empty(rows * head_dim, dtype=xp.float32)
         lanes = 1 << max(2, math.ceil(math.log2(head_dim // 8)))  # threads per row, a power of 2
         launch.prepare(
             (math.ceil(rows / (PREPARE_THREADS // lanes)),),

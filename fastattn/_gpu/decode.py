@@ -56,7 +56,7 @@ def eligible(problem: AttentionProblem) -> bool:
 
 def aligned(*arrays: Any) -> bool:
     """Whether every array starts on a 16-byte boundary (the kernel's cp.async copies need it)."""
-    return all(array.data.ptr % 16 == 0 for array in arrays)
+    return all(_launch.address(array) % 16 == 0 for array in arrays)
 
 
 def rows_per_block(problem: AttentionProblem) -> int:
@@ -82,9 +82,7 @@ def plan(problem: AttentionProblem, multiprocessors: int) -> tuple[int, int]:
     """Return ``(splits, keys_per_split)`` for a decode problem (see the module docstring)."""
     rows = rows_per_block(problem)
     items = problem.batch * problem.heads_kv * math.ceil(problem.group_size * problem.seq_q / rows)
-    wanted = min(
-        math.ceil(BLOCKS_PER_SM * multiprocessors / items), math.ceil(problem.seq_k / MIN_KEYS_PER_SPLIT)
-    )
+    wanted = min(math.ceil(BLOCKS_PER_SM * multiprocessors / items), math.ceil(problem.seq_k / MIN_KEYS_PER_SPLIT))
     tile = block_keys(problem.dtype, problem.head_dim)
     per_split = math.ceil(math.ceil(problem.seq_k / max(1, wanted)) / tile) * tile
     return math.ceil(problem.seq_k / per_split), per_split
@@ -102,14 +100,14 @@ def forward(problem: AttentionProblem, q: Any, k: Any, v: Any, out: Any, lse: An
     lse : cupy.ndarray
         ``(B, Hq, Sq)`` float32 with a contiguous last axis, written (natural log).
     """
-    import cupy
+    xp = _launch.array_module()
 
     rows = rows_per_block(problem)
     splits, per_split = plan(problem, _launch.multiprocessors())
     query_rows = problem.batch * problem.heads_q * problem.seq_q
     null = np.uint64(0)
-    partial_out = cupy.empty((splits, query_rows, problem.head_dim), dtype=cupy.float32) if splits > 1 else null
-    partial_lse = cupy.empty((splits, query_rows), dtype=cupy.float32) if splits > 1 else null
+    partial_out = xp.empty((splits, query_rows, problem.head_dim), dtype=xp.float32) if splits > 1 else null
+    partial_lse = xp.empty((splits, query_rows), dtype=xp.float32) if splits > 1 else null
     arguments = [
         q, k, v, out, lse, partial_out, partial_lse,
         *_launch.strides3(q), *_launch.strides3(k), *_launch.strides3(v), *_launch.strides3(out),

@@ -125,12 +125,12 @@ def backward(
         In the shapes of q, k, v, float32, allocated contiguous in the problem's layout; dk and dv
         summed over each kv head's query group.
     """
-    import cupy
+    xp = _launch.array_module()
 
     dmax = bucket(problem)
-    dq, dk, dv = (_arrays.empty_bhsd(cupy, x.shape, x.dtype, problem.layout) for x in (q, k, v))
-    lse = cupy.ascontiguousarray(lse)
-    delta = cupy.empty((problem.batch, problem.heads_q, problem.seq_q), dtype=cupy.float32)
+    dq, dk, dv = (_arrays.empty_bhsd(xp, x.shape, x.dtype, problem.layout) for x in (q, k, v))
+    lse = xp.ascontiguousarray(lse)
+    delta = xp.empty((problem.batch, problem.heads_q, problem.seq_q), dtype=xp.float32)
     rows = problem.batch * problem.heads_q * problem.seq_q
     common = [
         *_sizes(problem), np.int32(problem.heads_q), np.int32(problem.group_size),

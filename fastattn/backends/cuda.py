@@ -85,11 +85,11 @@ class CudaBackend:
         self, problem: AttentionProblem, q: Any, k: Any, v: Any, extras: AttentionExtras
     ) -> tuple[Any, Any]:
         """Return ``(out, lse)``: the decode kernel for Sq <= 16, else the float32 or tensor-core kernel."""
-        cupy = importlib.import_module("cupy")
+        xp = gpu_launch.array_module()
         out = _arrays.empty_bhsd(
-            cupy, (problem.batch, problem.heads_q, problem.seq_q, problem.head_dim_v), q.dtype, problem.layout
+            xp, (problem.batch, problem.heads_q, problem.seq_q, problem.head_dim_v), q.dtype, problem.layout
         )
-        lse = cupy.empty((problem.batch, problem.heads_q, problem.seq_q), dtype=cupy.float32)
+        lse = xp.empty((problem.batch, problem.heads_q, problem.seq_q), dtype=xp.float32)
         if gpu_decode.eligible(problem) and gpu_decode.aligned(k, v):
             gpu_decode.forward(problem, q, k, v, out, lse, extras)
         elif problem.dtype == "float32":
@@ -116,7 +116,7 @@ class CudaBackend:
         """
         if problem.dtype == "float32":
             return gpu_fp32.backward(problem, dout, q, k, v, out, lse, extras)
-        cupy = importlib.import_module("cupy")
+        xp = gpu_launch.array_module()
         inputs = {"q": q, "k": k, "v": v, "dout": dout, "out": out}
         b, hq, hkv, sq, sk = problem.batch, problem.heads_q, problem.heads_kv, problem.seq_q, problem.seq_k
         # Copies and outputs are made on the stream the kernels run on, so they are ordered with them.
@@ -124,9 +124,9 @@ class CudaBackend:
             arrays = {name: gpu_backward.aligned(array) for name, array in inputs.items()}
             arrays["lse"] = lse
             grads = (
-                _arrays.empty_bhsd(cupy, (b, hq, sq, problem.head_dim), q.dtype, problem.layout),
-                _arrays.empty_bhsd(cupy, (b, hkv, sk, problem.head_dim), k.dtype, problem.layout),
-                _arrays.empty_bhsd(cupy, (b, hkv, sk, problem.head_dim_v), v.dtype, problem.layout),
+                _arrays.empty_bhsd(xp, (b, hq, sq, problem.head_dim), q.dtype, problem.layout),
+                _arrays.empty_bhsd(xp, (b, hkv, sk, problem.head_dim), k.dtype, problem.layout),
+                _arrays.empty_bhsd(xp, (b, hkv, sk, problem.head_dim_v), v.dtype, problem.layout),
             )
             gpu_backward.backward(problem, arrays, grads, extras)
         return grads
@@ -134,9 +134,11 @@ class CudaBackend:
 
 def _backward_shared_memory_reasons(problem: AttentionProblem) -> list[str]:
     """The backward's blocks need more shared memory than this GPU grants one block (sm_86/sm_89)."""
-    cupy = importlib.import_module("cupy")
     needed = gpu_backward.shared_bytes(problem.head_dim, problem.deterministic)
-    granted = _shared_memory_per_block(cupy.cuda.runtime.getDevice())
+    if gpu_launch.is_emulated():
+        granted = gpu_launch.EMULATED_SHARED_MEMORY_PER_BLOCK
+    else:
+        granted = _shared_memory_per_block(importlib.import_module("cupy").cuda.runtime.getDevice())
     if needed <= granted:
         return []
     return [

@@ -3,10 +3,9 @@
 //
 // NVRTC sees this header inlined into each source by fastattn/_gpu/_launch.py (so CuPy's kernel
 // cache keys on the full text); nvcc finds it next to the source.  Only cuda_fp16.h and
-// cuda_bf16.h are included: NVRTC has no <cmath>.
+// cuda_bf16.h are included (by ptx.cuh, with the PTX helpers): NVRTC has no <cmath>.
 #pragma once
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
+#include "ptx.cuh"
 
 namespace fastattn_gpu {
 

@@ -1,5 +1,5 @@
-// Device code shared by the tensor-core flash kernels (forward, backward): mma.sync on packed
-// pairs, ldmatrix, cp.async, padded tile loads, and ScoreRule: the scores of the contract
+// Device code shared by the tensor-core flash kernels (forward, backward): packed pairs for
+// mma.sync (the PTX helpers themselves are in ptx.cuh), padded tile loads, and ScoreRule: the scores of the contract
 // (DESIGN.md §3) on top of decode_common.cuh's Visibility, which the decode and float32 kernels use
 // too, so that every kernel hides exactly the same keys.
 //
@@ -23,11 +23,7 @@ template <> struct Pack<__half> {
         return *reinterpret_cast<unsigned int*>(&v);
     }
     static __device__ __forceinline__ void mma(float* c, const unsigned int* a, const unsigned int* b) {
-        asm volatile(
-            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-            "{%0,%1,%2,%3};\n"
-            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+        mma_m16n8k16_f16(c, a, b);
     }
 };
 template <> struct Pack<__nv_bfloat16> {
@@ -36,44 +32,11 @@ template <> struct Pack<__nv_bfloat16> {
         return *reinterpret_cast<unsigned int*>(&v);
     }
     static __device__ __forceinline__ void mma(float* c, const unsigned int* a, const unsigned int* b) {
-        asm volatile(
-            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-            "{%0,%1,%2,%3};\n"
-            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+        mma_m16n8k16_bf16(c, a, b);
     }
 };
 
 __device__ __forceinline__ float positive_infinity() { return __int_as_float(0x7f800000); }
-
-__device__ __forceinline__ unsigned int smem_address(const void* pointer) {
-    return static_cast<unsigned int>(__cvta_generic_to_shared(pointer));
-}
-
-__device__ __forceinline__ void ldmatrix_x4(unsigned int* r, const void* pointer) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(smem_address(pointer)));
-}
-
-__device__ __forceinline__ void ldmatrix_x4_trans(unsigned int* r, const void* pointer) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(smem_address(pointer)));
-}
-
-// 16-byte global -> shared copy; `valid` false zero-fills the destination.
-__device__ __forceinline__ void cp_async_16(void* dst, const void* src, bool valid) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_address(dst)), "l"(src),
-                 "r"(valid ? 16 : 0));
-}
-// 4-byte global -> shared copy; `valid` false zero-fills the destination.
-__device__ __forceinline__ void cp_async_4(void* dst, const void* src, bool valid) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_address(dst)), "l"(src),
-                 "r"(valid ? 4 : 0));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
 // Copy `ROWS` rows (from `first`, zero past `limit`) of HEAD_DIM elements into a padded smem tile,
 // with THREADS threads of the block taking 16-byte chunks in turn.

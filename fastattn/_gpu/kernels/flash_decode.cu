@@ -51,20 +51,6 @@ template <typename Elem, int HEAD_DIM> struct DecodeShape {
     static constexpr int kRowSets = kDecodeThreads / kBlockN;             // scores: threads per key
 };
 
-__device__ __forceinline__ unsigned int decode_smem_address(const void* pointer) {
-    return static_cast<unsigned int>(__cvta_generic_to_shared(pointer));
-}
-
-// 16-byte global -> shared copy; `valid` false zero-fills the destination.
-__device__ __forceinline__ void decode_cp_async_16(void* dst, const void* src, bool valid) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(decode_smem_address(dst)), "l"(src),
-                 "r"(valid ? 16 : 0));
-}
-__device__ __forceinline__ void decode_cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N> __device__ __forceinline__ void decode_cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
-
 // Rows [first, first + BLOCK_N) of K or V (rows >= limit zero-filled) into a padded tile.
 template <typename Elem, int HEAD_DIM>
 __device__ __forceinline__ void decode_load_tile(Elem* tile, const Elem* base, long long row_stride, int first,
@@ -74,7 +60,7 @@ __device__ __forceinline__ void decode_load_tile(Elem* tile, const Elem* base, l
         const int row = chunk / Shape::kColumnGroups, col = (chunk % Shape::kColumnGroups) * Shape::kVec;
         const bool valid = first + row < limit;
         const Elem* src = base + (valid ? static_cast<long long>(first + row) * row_stride : 0) + col;
-        decode_cp_async_16(tile + row * Shape::kRow + col, src, valid);
+        cp_async_16(tile + row * Shape::kRow + col, src, valid);
     }
 }
 
@@ -148,7 +134,7 @@ flash_decode(const Elem* __restrict__ q, const Elem* __restrict__ k, const Elem*
         decode_load_tile<Elem, HEAD_DIM>(k_tiles, k_base, k_ss, lo, hi);
         decode_load_tile<Elem, HEAD_DIM>(v_tiles, v_base, v_ss, lo, hi);
     }
-    decode_cp_async_commit();
+    cp_async_commit();
     for (int index = threadIdx.x; index < ROWS * HEAD_DIM; index += kDecodeThreads) {
         const int r = index / HEAD_DIM, d = index % HEAD_DIM, p = row0 + r;
         float value = 0.f;
@@ -177,8 +163,8 @@ flash_decode(const Elem* __restrict__ q, const Elem* __restrict__ k, const Elem*
             decode_load_tile<Elem, HEAD_DIM>(k_tiles + (stage ^ 1) * kBlockN * kRow, k_base, k_ss, kt + kBlockN, hi);
             decode_load_tile<Elem, HEAD_DIM>(v_tiles + (stage ^ 1) * kBlockN * kRow, v_base, v_ss, kt + kBlockN, hi);
         }
-        decode_cp_async_commit();
-        decode_cp_async_wait<1>();
+        cp_async_commit();
+        cp_async_wait<1>();
         __syncthreads();
         const Elem* k_tile = k_tiles + stage * kBlockN * kRow;
         const Elem* v_tile = v_tiles + stage * kBlockN * kRow;
@@ -262,7 +248,7 @@ flash_decode(const Elem* __restrict__ q, const Elem* __restrict__ k, const Elem*
         }
         __syncthreads();  // this stage is overwritten by the prefetch of the tile after next
     }
-    decode_cp_async_wait<0>();
+    cp_async_wait<0>();
     __syncthreads();  // the K/V tiles become the reduction buffer
 
     if (lane == 0) {

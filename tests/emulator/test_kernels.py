@@ -1,0 +1,87 @@
+"""Every CUDA kernel family, unchanged, run by the SIMT emulator through the real launchers and the
+cuda backend's own code (``_launch.emulated()``: numpy arrays stand in for device arrays), against
+the float64 reference with the conformance suite's tolerances.  Small shapes: a few tiles each, tile
+edges and partial tiles included."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import fastattn
+from fastattn import _arrays, _validation
+from fastattn._gpu import _launch
+from fastattn._options import AttentionOptions
+from fastattn.backends.cuda import CudaBackend
+
+from ..conformance._cases import BACKWARD_TOLERANCE, FORWARD_TOLERANCE, relative_error
+
+DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": _arrays.bfloat16}
+
+
+def _inputs(dtype: str, b: int, hq: int, hkv: int, sq: int, sk: int, d: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng()
+    shapes = {"q": (b, hq, sq, d), "k": (b, hkv, sk, d), "v": (b, hkv, sk, d), "dout": (b, hq, sq, d)}
+    return {name: rng.standard_normal(shape).astype(DTYPES[dtype]) for name, shape in shapes.items()}
+
+
+def _reference(arrays: dict[str, np.ndarray], options: AttentionOptions) -> tuple[np.ndarray, ...]:
+    q, k, v, dout = (arrays[name].astype(np.float64) for name in ("q", "k", "v", "dout"))
+    kwargs = {"causal": options.causal, "key_lengths": options.key_lengths, "window": options.window}
+    kwargs["softcap"] = options.softcap
+    out, lse = fastattn.attention(q, k, v, return_lse=True, backend="reference", **kwargs)
+    return (out, lse, *fastattn.attention_backward(dout, q, k, v, out, lse, backend="reference", **kwargs))
+
+
+FORWARDS = [
+    # dtype, (B, Hq, Hkv, Sq, Sk, D), options: the tensor-core and float32 forwards, then decode
+    ("float32", (1, 4, 2, 37, 53, 64), AttentionOptions(causal="bottom_right")),
+    ("float16", (1, 2, 1, 70, 90, 64), AttentionOptions(causal=True)),
+    ("bfloat16", (2, 2, 2, 65, 40, 32), AttentionOptions(window=(16, 3), softcap=5.0)),
+    ("float16", (2, 4, 2, 1, 300, 64), AttentionOptions(key_lengths=np.array([200, 300]))),
+    ("float32", (2, 4, 2, 3, 300, 64), AttentionOptions(causal="bottom_right")),
+]
+
+
+@pytest.mark.parametrize(("dtype", "sizes", "options"), FORWARDS)
+def test_forward_kernels_match_the_reference(dtype: str, sizes: tuple[int, ...], options: AttentionOptions) -> None:
+    arrays = _inputs(dtype, *sizes)
+    call = _validation.prepare("forward", {name: arrays[name] for name in "qkv"}, options)
+    backend = CudaBackend()
+    with _launch.emulated():
+        assert backend.not_supported_reasons(call.problem) == []
+        out, lse = backend.forward(call.problem, arrays["q"], arrays["k"], arrays["v"], call.extras)
+    expected_out, expected_lse = _reference(arrays, options)[:2]
+    assert relative_error(out.astype(np.float64), expected_out) <= FORWARD_TOLERANCE[dtype]
+    seen = ~np.isneginf(expected_lse)
+    assert np.array_equal(np.isneginf(lse), ~seen)
+    scale = np.maximum(np.abs(expected_lse[seen]), 1.0)
+    assert relative_error(lse[seen].astype(np.float64), expected_lse[seen], scale) <= FORWARD_TOLERANCE[dtype]
+
+
+BACKWARDS = [
+    ("float32", (1, 2, 1, 40, 50, 64), AttentionOptions(causal=True), False),
+    ("float16", (1, 2, 1, 70, 90, 64), AttentionOptions(causal="bottom_right"), False),
+    ("bfloat16", (1, 2, 2, 70, 90, 64), AttentionOptions(), True),
+]
+
+
+@pytest.mark.parametrize(("dtype", "sizes", "options", "deterministic"), BACKWARDS)
+def test_backward_kernels_match_the_reference(
+    dtype: str, sizes: tuple[int, ...], options: AttentionOptions, deterministic: bool
+) -> None:
+    arrays = _inputs(dtype, *sizes)
+    expected = _reference(arrays, options)
+    out = expected[0].astype(DTYPES[dtype])
+    lse = expected[1].astype(np.float32)
+    named = {"q": arrays["q"], "k": arrays["k"], "v": arrays["v"], "dout": arrays["dout"], "out": out, "lse": lse}
+    call = _validation.prepare("backward", named, options, deterministic=deterministic)
+    backend = CudaBackend()
+    with _launch.emulated():
+        assert backend.not_supported_reasons(call.problem) == []
+        grads = backend.backward(
+            call.problem, arrays["dout"], arrays["q"], arrays["k"], arrays["v"], out, lse, call.extras
+        )
+    for grad, want, name in zip(grads, expected[2:], ("dq", "dk", "dv")):
+        error = relative_error(grad.astype(np.float64), want)
+        assert error <= BACKWARD_TOLERANCE[dtype], f"{name}: {error:.3g}"

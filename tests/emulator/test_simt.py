@@ -1,0 +1,120 @@
+"""The SIMT emulator's execution model: barriers, warp collectives, cp.async, shared memory, and
+the errors that a kernel bug must turn into (never a hang, never a silent pass)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fastattn._gpu import emulator
+
+SOURCE = r"""
+#include "ptx.cuh"
+namespace t {
+// y[i] = the sum over the warp of tile[(lane + 1) % 32], tile = a * x of this warp.
+__global__ void rotate_sum(const float* __restrict__ x, float* __restrict__ y, float a, int synced) {
+    extern __shared__ float tile[];
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    tile[threadIdx.x] = x[i] * a;
+    if (synced) __syncthreads();
+    float v = tile[(threadIdx.x + 1) % blockDim.x];
+    for (int s = 16; s > 0; s /= 2) v += __shfl_xor_sync(0xffffffff, v, s);
+    y[i] = v;
+}
+__global__ void early_exit(float* y) {
+    if (threadIdx.x == 3) return;
+    __syncthreads();
+    y[threadIdx.x] = 1.f;
+}
+__global__ void half_warp_shuffle(float* y) {
+    float v = 1.f;
+    if (threadIdx.x < 16) v = __shfl_xor_sync(0xffffffff, v, 1);
+    y[threadIdx.x] = v;
+}
+__global__ void overrun(float* y, int n) {
+    extern __shared__ float tile[];
+    tile[threadIdx.x + n] = 1.f;
+    y[threadIdx.x] = 0.f;
+}
+// before[i]: the shared word read before the wait; after[i]: after it; zero[i]: a zero-filled copy.
+__global__ void copies(const float* __restrict__ x, float* before, float* after, float* zero) {
+    extern __shared__ __align__(16) unsigned char bytes[];
+    float* tile = reinterpret_cast<float*>(bytes);
+    const int i = threadIdx.x;
+    fastattn_gpu::cp_async_4(tile + i, x + i, true);
+    fastattn_gpu::cp_async_4(tile + 32 + i, x + i, false);
+    fastattn_gpu::cp_async_commit();
+    before[i] = tile[i];
+    fastattn_gpu::cp_async_wait<0>();
+    after[i] = tile[i];
+    zero[i] = tile[32 + i];
+}
+}  // namespace t
+"""
+NAMES = ("t::rotate_sum", "t::early_exit", "t::half_warp_shuffle", "t::overrun", "t::copies")
+
+
+@pytest.fixture(scope="module")
+def module() -> emulator.EmulatedModule:
+    return emulator.compile_source(SOURCE, NAMES)
+
+
+def _rotate_sum(module: emulator.EmulatedModule, x: np.ndarray, synced: bool, seed: int) -> np.ndarray:
+    y = np.full_like(x, np.nan)
+    kernel = module.get_function("t::rotate_sum")
+    kernel((x.size // 32,), (32,), (x, y, np.float32(3), np.int32(synced)), shared_mem=32 * 4, seed=seed)
+    return y
+
+
+def test_barriers_and_shuffles_compute_what_the_device_does(module: emulator.EmulatedModule) -> None:
+    x = np.random.default_rng().standard_normal(96).astype(np.float32)
+    expected = np.repeat((3 * x).reshape(3, 32).sum(axis=1, dtype=np.float32), 32)
+    for seed in range(4):
+        np.testing.assert_allclose(_rotate_sum(module, x, True, seed), expected, rtol=1e-5)
+
+
+def test_a_missing_barrier_reads_poison(module: emulator.EmulatedModule) -> None:
+    """Without __syncthreads a thread may read its neighbour's slot before it is written: shared
+    memory starts as NaN, and some thread order of the seeds shows it."""
+    x = np.random.default_rng().standard_normal(32).astype(np.float32)
+    results = [_rotate_sum(module, x, False, seed) for seed in range(8)]
+    assert any(np.isnan(result).any() for result in results)
+
+
+def test_a_thread_that_exits_before_a_barrier_is_an_error(module: emulator.EmulatedModule) -> None:
+    y = np.zeros(64, np.float32)
+    with pytest.raises(emulator.EmulationError, match="1 threads exited while 63 wait at __syncthreads"):
+        module.get_function("t::early_exit")((1,), (64,), (y,))
+
+
+def test_a_lane_missing_from_a_warp_collective_is_an_error(module: emulator.EmulatedModule) -> None:
+    y = np.zeros(32, np.float32)
+    with pytest.raises(emulator.EmulationError, match="16 lanes exited while 16 wait in a warp collective"):
+        module.get_function("t::half_warp_shuffle")((1,), (32,), (y,))
+
+
+def test_a_write_past_dynamic_shared_memory_is_an_error(module: emulator.EmulatedModule) -> None:
+    y = np.zeros(32, np.float32)
+    kernel = module.get_function("t::overrun")
+    kernel((1,), (32,), (y, np.int32(0)), shared_mem=32 * 4)
+    with pytest.raises(emulator.EmulationError, match="outside the 128 bytes of dynamic shared memory"):
+        kernel((1,), (32,), (y, np.int32(1)), shared_mem=32 * 4)
+
+
+def test_cp_async_data_lands_at_the_wait(module: emulator.EmulatedModule) -> None:
+    x = np.random.default_rng().standard_normal(32).astype(np.float32)
+    before, after, zero = (np.full(32, 7.0, np.float32) for _ in range(3))
+    module.get_function("t::copies")((1,), (32,), (x, before, after, zero), shared_mem=64 * 4)
+    assert np.isnan(before).all()
+    np.testing.assert_array_equal(after, x)
+    np.testing.assert_array_equal(zero, 0)
+
+
+def test_arguments_are_checked_against_the_parameters(module: emulator.EmulatedModule) -> None:
+    x = np.zeros(32, np.float32)
+    kernel = module.get_function("t::rotate_sum")
+    assert kernel.parameter_sizes == (8, 8, 4, 4)
+    with pytest.raises(TypeError, match="argument 2 is a float64 of 8 bytes; the parameter has 4"):
+        kernel((1,), (32,), (x, x, np.float64(3), np.int32(1)), shared_mem=128)
+    with pytest.raises(TypeError, match="expected 4 arguments, received 3"):
+        kernel((1,), (32,), (x, x, np.float32(3)), shared_mem=128)
