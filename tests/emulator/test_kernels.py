@@ -37,6 +37,7 @@ FORWARDS = [
     # dtype, (B, Hq, Hkv, Sq, Sk, D), options: the tensor-core and float32 forwards, then decode
     ("float32", (1, 4, 2, 37, 53, 64), AttentionOptions(causal="bottom_right")),
     ("float16", (1, 2, 1, 70, 90, 64), AttentionOptions(causal=True)),
+    ("float16", (1, 1, 1, 64, 200, 32), AttentionOptions()),  # four key tiles: the stages are reused
     ("bfloat16", (2, 2, 2, 65, 40, 32), AttentionOptions(window=(16, 3), softcap=5.0)),
     ("float16", (2, 4, 2, 1, 300, 64), AttentionOptions(key_lengths=np.array([200, 300]))),
     ("float32", (2, 4, 2, 3, 300, 64), AttentionOptions(causal="bottom_right")),

@@ -1,8 +1,10 @@
 // The SIMT emulator: CUDA C++ kernels compiled by the host C++ compiler and run on the CPU, exactly.
 //
 // Every thread of a block is a fiber (ucontext) with its own stack, so a thread's registers are its
-// own locals, as on the device.  One block runs at a time; between barriers its threads run in an
-// order shuffled by the launch's seed, so a missing __syncthreads or a race changes the result.
+// own locals, as on the device.  One block runs at a time.  Between two __syncthreads its warps run
+// one after another, in an order drawn by the launch's seed afresh for every interval, each as far
+// as it can go alone, and the lanes of a warp run in a shuffled order between collectives: a read
+// that a missing __syncthreads leaves unordered with its write sees the wrong data (or the poison).
 //   - __syncthreads: a block barrier.  A barrier some threads never reach, or a thread that exits
 //     while others wait, is an error (never a hang).
 //   - Warp collectives (__shfl_xor_sync, mma.sync, ldmatrix): the 32 lanes meet at a warp barrier
@@ -185,6 +187,7 @@ struct Launch {
     uint3 block_index;
     std::vector<Thread> threads;
     std::vector<WarpSlots> warps;
+    std::vector<int> warp_order;  // rank of each warp in the current interval between block barriers
     std::vector<unsigned char> shared;  // guard | dynamic shared memory | guard
     size_t shared_bytes = 0;
     std::function<void()> body;
@@ -243,6 +246,11 @@ inline std::string block_name(const Launch& launch) {
            std::to_string(launch.block_index.z) + ")";
 }
 
+// A new order of the warps for the next interval between block barriers, drawn by the seed.
+inline void shuffle_warp_order(Launch& launch) {
+    std::shuffle(launch.warp_order.begin(), launch.warp_order.end(), launch.order_random);
+}
+
 // Release the threads waiting at a barrier every live thread has reached; fail when none can be.
 inline void release_or_fail(Launch& launch) {
     size_t at_block = 0, done = 0;
@@ -257,9 +265,13 @@ inline void release_or_fail(Launch& launch) {
                  " wait at __syncthreads");
         }
         for (Thread& thread : launch.threads) thread.wait = Wait::none;
+        shuffle_warp_order(launch);
         return;
     }
-    bool released = false;
+    // Warps whose lanes all wait in a collective: the first of them in this interval's order goes on
+    // alone, so each warp runs ahead of the later ones up to the next __syncthreads (warps advancing
+    // in lockstep would hide every missing barrier between them).
+    std::vector<int> ready;
     const int warps = static_cast<int>(launch.warps.size());
     for (int warp = 0; warp < warps; ++warp) {
         int waiting = 0, members = 0, finished = 0;
@@ -271,18 +283,20 @@ inline void release_or_fail(Launch& launch) {
         }
         if (waiting == 0) continue;
         if (waiting == members) {
-            for (Thread& thread : launch.threads) {
-                if (thread.warp == warp) thread.wait = Wait::none;
-            }
-            released = true;
+            ready.push_back(warp);
         } else if (waiting + finished == members) {
             fail(block_name(launch) + ", warp " + std::to_string(warp) + ": " + std::to_string(finished) +
                  " lanes exited while " + std::to_string(waiting) + " wait in a warp collective");
         }
     }
-    if (!released) {
+    if (ready.empty()) {
         fail(block_name(launch) + ": deadlock: " + std::to_string(at_block) +
              " threads wait at __syncthreads while others wait in a warp collective their warp never completes");
+    }
+    const int chosen = *std::min_element(ready.begin(), ready.end(),
+                                         [&](int a, int b) { return launch.warp_order[a] < launch.warp_order[b]; });
+    for (Thread& thread : launch.threads) {
+        if (thread.warp == chosen) thread.wait = Wait::none;
     }
 }
 
@@ -301,6 +315,9 @@ inline void run_block(Launch& launch) {
     const unsigned int count = launch.block.x * launch.block.y * launch.block.z;
     launch.threads.assign(count, Thread{});
     launch.warps.assign((count + kWarpSize - 1) / kWarpSize, WarpSlots{});
+    launch.warp_order.resize(launch.warps.size());
+    for (size_t warp = 0; warp < launch.warp_order.size(); ++warp) launch.warp_order[warp] = static_cast<int>(warp);
+    shuffle_warp_order(launch);
     launch.shared.assign(launch.shared_bytes + 2 * kGuardBytes, kPoison);
     for (unsigned int linear = 0; linear < count; ++linear) {
         Thread& thread = launch.threads[linear];

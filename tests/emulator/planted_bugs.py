@@ -1,0 +1,142 @@
+"""Plant known kernel bugs one at a time and check that the emulated kernel tests catch each.
+
+Not part of the default test run (its name does not start with ``test_``); replay it after every
+kernel change, from the repository root:
+
+    python -m tests.emulator.planted_bugs            # exit status 1 if any bug goes unnoticed
+
+Each bug is a text replacement in one kernel source (or a header every source includes), applied
+to the text the emulator compiles (``_launch.source_text``): the files are never modified.  A bug
+counts as caught when at least one case of ``test_kernels.py`` fails on it (a wrong result or an
+emulator error) while all pass without it.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import NamedTuple
+
+from fastattn._gpu import _launch, emulator
+
+from . import test_kernels
+
+
+class Bug(NamedTuple):
+    """A replacement of ``old`` (which must occur in the source's text) by ``new``."""
+
+    name: str
+    source: str
+    old: str
+    new: str
+
+
+BUGS = [
+    Bug(
+        "tensor-core forward: P's A fragment with its two elements swapped (a wrong lane mapping)",
+        "flash_forward.cu",
+        "p[nb / 2][(nb % 2) * 2 + 0] = Pack<Elem>::two(prob[0], prob[1]);",
+        "p[nb / 2][(nb % 2) * 2 + 0] = Pack<Elem>::two(prob[1], prob[0]);",
+    ),
+    Bug(
+        "tensor-core forward: no __syncthreads before a stage is overwritten by the next prefetch",
+        "flash_forward.cu",
+        "        __syncthreads();  // this stage is overwritten by the prefetch of the tile after next\n"
+        "    }\n    cp_async_wait<0>();\n\n    // Normalise",
+        "    }\n    cp_async_wait<0>();\n\n    // Normalise",
+    ),
+    Bug(
+        "tensor-core forward: the tile is read without waiting for its cp.async group",
+        "flash_forward.cu",
+        "        cp_async_commit();\n        cp_async_wait<1>();\n        __syncthreads();\n        const Elem* k_tile",
+        "        cp_async_commit();\n        __syncthreads();\n        const Elem* k_tile",
+    ),
+    Bug(
+        "every kernel: the causal key range one key short (off by one)",
+        "flash_forward.cu",
+        "if (causal) high = min(high, last + offset + 1);",
+        "if (causal) high = min(high, last + offset);",
+    ),
+    Bug(
+        "float32 forward: query head h reads kv head h % group instead of h / group (GQA mapping)",
+        "flash_fp32.cu",
+        "const int m0 = blockIdx.x * BM, h = blockIdx.y, b = blockIdx.z, kvh = h / group;\n    const int ty",
+        "const int m0 = blockIdx.x * BM, h = blockIdx.y, b = blockIdx.z, kvh = h % group;\n    const int ty",
+    ),
+    Bug(
+        "decode combine: the last split left out of the denominator (a wrong split count)",
+        "flash_decode.cu",
+        "for (int s = 0; s < splits; ++s) total += flush_tiny(expf(partial_lse[s * rows + row] - top));",
+        "for (int s = 0; s < splits - 1; ++s) total += flush_tiny(expf(partial_lse[s * rows + row] - top));",
+    ),
+    Bug(
+        "tensor-core backward: dS^T read before every warp has written it (no __syncthreads)",
+        "flash_backward.cu",
+        "Pack<Elem>::two(dp[nb][2 * r], dp[nb][2 * r + 1]);\n            }\n        }\n        __syncthreads();\n",
+        "Pack<Elem>::two(dp[nb][2 * r], dp[nb][2 * r + 1]);\n            }\n        }\n",
+    ),
+    Bug(
+        "float32 backward dK/dV: no __syncthreads before the K/V tiles are reused",
+        "flash_fp32.cu",
+        "__syncthreads();  // the previous step is done with k_s, v_s, ds_s\n",
+        "\n",
+    ),
+]
+
+
+def _cases() -> list[Callable[[], None]]:
+    """Every case of test_kernels.py, as a call."""
+    calls: list[Callable[[], None]] = []
+    for dtype, sizes, options in test_kernels.FORWARDS:
+        calls.append(lambda c=(dtype, sizes, options): test_kernels.test_forward_kernels_match_the_reference(*c))
+    for dtype, sizes, options, deterministic in test_kernels.BACKWARDS:
+        arguments = (dtype, sizes, options, deterministic)
+        calls.append(lambda c=arguments: test_kernels.test_backward_kernels_match_the_reference(*c))
+    return calls
+
+
+def _failures(calls: list[Callable[[], None]]) -> list[str]:
+    failed = []
+    for index, call in enumerate(calls):
+        try:
+            call()
+        except (AssertionError, emulator.EmulationError) as error:
+            first_line = (str(error) or "a result beyond tolerance").splitlines()[0][:100]
+            failed.append(f"case {index}: {type(error).__name__}: {first_line}")
+    return failed
+
+
+def main() -> int:
+    original = _launch.source_text
+    calls = _cases()
+    _launch._emulated_kernel.cache_clear()
+    clean = _failures(calls)
+    if clean:
+        print("the emulated kernel tests fail without any planted bug:", *clean, sep="\n  ")
+        return 1
+    missed = 0
+    for bug in BUGS:
+        if bug.old not in original(bug.source):
+            print(f"STALE  {bug.name}: its text is no longer in {bug.source}")
+            missed += 1
+            continue
+
+        def planted(name: str, bug: Bug = bug) -> str:
+            text = original(name)
+            return text.replace(bug.old, bug.new) if bug.old in text else text
+
+        _launch.source_text = planted
+        _launch._emulated_kernel.cache_clear()
+        try:
+            failed = _failures(calls)
+        finally:
+            _launch.source_text = original
+        status = "caught" if failed else "MISSED"
+        missed += not failed
+        print(f"{status:6s} {bug.name}" + (f"\n         {failed[0]}" if failed else ""))
+    _launch._emulated_kernel.cache_clear()
+    return 1 if missed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
