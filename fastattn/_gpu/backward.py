@@ -122,7 +122,9 @@ def aligned(array: Any) -> Any:
     ]
     if all(offset % 16 == 0 for offset in offsets):
         return array
-    return xp.ascontiguousarray(array)
+    # A new buffer (the allocator aligns it): ascontiguousarray would hand back a contiguous view
+    # whose only fault is its base address unchanged.
+    return xp.array(array, order="C", copy=True)
 
 
 def backward(

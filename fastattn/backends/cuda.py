@@ -95,6 +95,10 @@ class CudaBackend:
         elif problem.dtype == "float32":
             gpu_fp32.forward(problem, q, k, v, out, lse, extras)
         else:
+            # cp.async copies 16-byte chunks: a base address off 16 bytes (a view into a buffer)
+            # faults, so such inputs are copied (their strides were checked by not_supported_reasons).
+            with gpu_launch.stream(problem.framework):
+                q, k, v = (gpu_backward.aligned(array) for array in (q, k, v))
             gpu_forward.forward(problem, q, k, v, out, lse, extras)
         return out, lse
 

@@ -13,7 +13,8 @@
 //     ("Matrix Fragments for mma.m16n8k16 with floating point type"; "Warp-level matrix load
 //     instruction: ldmatrix"); products are exact in float and accumulate in float.
 //   - cp.async: the destination holds poison (all bits set: NaN in every float format) until the
-//     wait_group that completes its group copies the data in.
+//     wait_group that completes its group copies the data in.  A misaligned cp.async or ldmatrix
+//     address is an error, as it is a fault on the device.
 //   - Dynamic shared memory starts as poison for every block, between guard zones that are checked
 //     when the block ends.
 // The kernels' sources stay as they are: ptx.cuh calls the functions below in place of inline PTX
@@ -157,6 +158,13 @@ struct Failure {
 };
 
 [[noreturn]] inline void fail(const std::string& message) { throw Failure{message}; }
+
+inline void check_aligned(const void* pointer, int bytes, const char* what) {
+    if (reinterpret_cast<uintptr_t>(pointer) % bytes != 0) {
+        fail(std::string(what) + ": address " + std::to_string(reinterpret_cast<uintptr_t>(pointer)) +
+             " is not aligned to " + std::to_string(bytes) + " bytes (the device faults)");
+    }
+}
 
 enum class Wait { none, block, warp, done };
 
@@ -471,6 +479,7 @@ inline void mma_m16n8k16(float* c, const unsigned int* a, const unsigned int* b,
 inline void ldmatrix_x4(unsigned int* r, const void* pointer, bool transpose) {
     Thread& thread = this_thread();
     WarpSlots& slots = warp_slots();
+    check_aligned(pointer, 16, "ldmatrix row");
     slots.pointers[thread.lane] = pointer;
     warp_barrier();
     const int g = thread.lane / 4, t = thread.lane % 4;
@@ -489,6 +498,8 @@ inline void ldmatrix_x4(unsigned int* r, const void* pointer, bool transpose) {
 // ---------------------------------------------------------------------------------------------
 // cp.async: poison now, data at the wait_group that completes the group.
 inline void cp_async(void* dst, const void* src, int bytes, int source_bytes) {
+    check_aligned(dst, bytes, "cp.async destination");
+    if (source_bytes > 0) check_aligned(src, bytes, "cp.async source");
     std::memset(dst, kPoison, bytes);
     this_thread().open_group.push_back(PendingCopy{dst, src, bytes, source_bytes});
 }

@@ -86,4 +86,13 @@ __device__ __forceinline__ float soft_cap(float score, float softcap) {
     return softcap > 0.f ? softcap * tanhf(score / softcap) : score;
 }
 
+// d soft_cap(score) / d score: 1, or sech^2(score / softcap) computed from e = exp(-2|x|) as
+// 4e / (1 + e)^2, not as 1 - tanh^2, which cancels in float32 as tanh nears +-1 (at |x| = 6 it
+// keeps no correct digit; the backward's dS inherits the error).
+__device__ __forceinline__ float soft_cap_slope(float score, float softcap) {
+    if (softcap <= 0.f) return 1.f;
+    const float e = expf(-2.f * fabsf(score / softcap));
+    return 4.f * e / ((1.f + e) * (1.f + e));
+}
+
 }  // namespace fastattn_gpu

@@ -66,19 +66,13 @@ struct ScoreRule {
 
     // Finish the raw dot product of query `row` (head h, batch b) with key `key`: keys at or past
     // `key_end` are hidden.  Returns the score times log2(e), or -inf where the key is hidden.
-    // `slope` gets d score / d (dot * scale): 1, or sech^2(dot * scale / softcap) under softcap,
-    // from exp(-2|x|) rather than as 1 - tanh^2, which cancels to nothing in float32 once tanh
-    // rounds to +-1.  (The forward ignores it and the compiler drops it there.)
+    // `slope` gets d score / d (dot * scale): soft_cap_slope's sech^2 under softcap, else 1.
+    // (The forward ignores it and the compiler drops it there.)
     __device__ __forceinline__ float log2_score(float dot, int b, int h, int row, int key, int key_end,
                                                 float* slope) const {
         float score = dot * scale;
-        *slope = 1.f;
-        if (softcap > 0.f) {
-            const float x = score / softcap;
-            score = softcap * tanhf(x);
-            const float e = __expf(-2.f * fabsf(x));
-            *slope = 4.f * e / ((1.f + e) * (1.f + e));
-        }
+        *slope = soft_cap_slope(score, softcap);
+        score = soft_cap(score, softcap);
         if (row >= seq_q || key >= key_end) return negative_infinity();
         return rules.apply(score, b, h, row, key) * kLog2e;
     }

@@ -217,8 +217,7 @@ __device__ __forceinline__ Gradient score_gradient(const Visibility& rules, floa
     if (score == negative_infinity()) return {0.f, 0.f};
     const float p = flush_tiny(expf(score - row_lse));
     if (p == 0.f) return {0.f, 0.f};
-    const float ratio = softcap > 0.f ? capped / softcap : 0.f;
-    return {p, p * (dp - row_delta) * (1.f - ratio * ratio) * scale};
+    return {p, p * (dp - row_delta) * soft_cap_slope(raw * scale, softcap) * scale};
 }
 
 template <int DMAX>
