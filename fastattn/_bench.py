@@ -158,11 +158,16 @@ def _time(run: Callable[[], Any], repeats: int, synchronize: Callable[[], None])
 
 
 def implementations(device: str) -> list[str]:
-    """Return the implementations timed on ``device``: plain, each available backend's name, torch."""
+    """Return the implementations timed on ``device``: plain, each available backend's name, torch.
+
+    Backends that exist for testing (``for_testing = True``: the SIMT emulator) are not timed.
+    """
     names = [
         name
         for name, status in backends.available().items()
-        if status.available and device in backends.get(name).devices
+        if status.available
+        and device in backends.get(name).devices
+        and not getattr(backends.get(name), "for_testing", False)
     ]
     return [PLAIN[device], *names] + ([TORCH] if torch_available() else [])
 

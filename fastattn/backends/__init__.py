@@ -30,13 +30,19 @@ except ImportError as _error:  # the compiled extension is missing or broken
 else:
     register(CpuBackend())
 
-from .cuda import CudaBackend, unavailable_reason  # noqa: E402
+from .cuda import CudaBackend, EmulatedCudaBackend, emulator_unavailable_reason, unavailable_reason  # noqa: E402
 
 _cuda_reason = unavailable_reason()
 if _cuda_reason is None:
     register(CudaBackend())
 else:
     register_unavailable("cuda", _cuda_reason)
+
+_emulator_reason = emulator_unavailable_reason()
+if _emulator_reason is None:
+    register(EmulatedCudaBackend())
+else:
+    register_unavailable("cuda-emulated", _emulator_reason)
 
 __all__ = [
     "Backend",

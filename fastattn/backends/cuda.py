@@ -156,3 +156,57 @@ def _shared_memory_per_block(device: int) -> int:
     """The most dynamic shared memory one block may opt into on ``device``."""
     cupy = importlib.import_module("cupy")
     return int(cupy.cuda.runtime.deviceGetAttribute(_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, device))
+
+
+class EmulatedCudaBackend(CudaBackend):
+    """The cuda backend's own code and kernels, run by the SIMT emulator on host numpy arrays.
+
+    For testing the GPU kernels where there is no GPU (``fastattn/_gpu/emulator``): exact but
+    thousands of times slower than a GPU, so never chosen automatically (its priority is below
+    the reference's, which runs every host call); ask for it with ``backend="cuda-emulated"``.
+    """
+
+    name = "cuda-emulated"
+    devices: tuple[str, ...] = ("cpu",)
+    priority = -10
+    #: Not timed by ``python -m fastattn bench`` (the benchmarks skip backends for testing).
+    for_testing = True
+    description = "the cuda backend's kernels run by the SIMT emulator on the CPU (for tests; slow)"
+
+    def not_supported_reasons(self, problem: AttentionProblem) -> list[str]:
+        """The cuda backend's reasons, for the emulated device (an H100's shared memory)."""
+        with gpu_launch.emulated():
+            return super().not_supported_reasons(problem)
+
+    def forward(
+        self, problem: AttentionProblem, q: Any, k: Any, v: Any, extras: AttentionExtras
+    ) -> tuple[Any, Any]:
+        """The cuda backend's forward, on the emulator."""
+        with gpu_launch.emulated():
+            return super().forward(problem, q, k, v, extras)
+
+    def backward(
+        self,
+        problem: AttentionProblem,
+        dout: Any,
+        q: Any,
+        k: Any,
+        v: Any,
+        out: Any,
+        lse: Any,
+        extras: AttentionExtras,
+    ) -> tuple[Any, Any, Any]:
+        """The cuda backend's backward, on the emulator."""
+        with gpu_launch.emulated():
+            return super().backward(problem, dout, q, k, v, out, lse, extras)
+
+
+def emulator_unavailable_reason() -> str | None:
+    """Why the emulated cuda backend cannot run here (no C++ compiler), or None."""
+    from .._gpu import emulator
+
+    try:
+        emulator.compiler()
+    except emulator.EmulationError as error:
+        return str(error)
+    return None

@@ -75,11 +75,12 @@ def _entry_points(names: tuple[str, ...]) -> str:
     return "".join(lines)
 
 
-def _compiler() -> str:
-    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
-    if compiler is None:
+def compiler() -> str:
+    """The host C++ compiler the emulated builds use (``$CXX``, else g++, c++ or clang++)."""
+    found = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+    if found is None:
         raise EmulationError("the SIMT emulator needs a C++17 compiler (g++ or clang++); none was found")
-    return compiler
+    return found
 
 
 def cache_dir() -> Path:
@@ -110,10 +111,10 @@ def compile_source(text: str, names: tuple[str, ...]) -> EmulatedModule:
     -------
     EmulatedModule
     """
-    compiler = _compiler()
+    compiler_path = compiler()
     flags = _flags()
     full_text = '#include "simt.h"\n' + emulated_text(text) + _entry_points(names)
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    version = subprocess.run([compiler_path, "--version"], capture_output=True, text=True).stdout
     simt = (HEADER_DIR / "simt.h").read_text()
     digest = hashlib.sha256("\0".join((full_text, simt, " ".join(flags), version)).encode()).hexdigest()[:32]
     directory = cache_dir()
@@ -125,7 +126,7 @@ def compile_source(text: str, names: tuple[str, ...]) -> EmulatedModule:
             source.write_text(full_text)
             built = Path(work) / "kernels.so"
             result = subprocess.run(
-                [compiler, *flags, f"-I{HEADER_DIR}", f"-I{KERNELS_DIR}", str(source), "-o", str(built)],
+                [compiler_path, *flags, f"-I{HEADER_DIR}", f"-I{KERNELS_DIR}", str(source), "-o", str(built)],
                 capture_output=True,
                 text=True,
             )

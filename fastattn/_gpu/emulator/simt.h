@@ -205,8 +205,10 @@ struct Launch {
     std::mt19937_64 order_random;
 };
 
+// The launch running on this OS thread (its fibers all run on the thread that launched them), so
+// that Python threads may launch at the same time (ctypes releases the GIL during a launch).
 inline Launch*& launch_state() {
-    static Launch* state = nullptr;
+    static thread_local Launch* state = nullptr;
     return state;
 }
 
