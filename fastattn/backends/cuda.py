@@ -1,14 +1,13 @@
-"""The ``cuda`` backend: CuPy RawKernel flash attention on tensor cores (issue #6).
+"""The ``cuda`` backend: CuPy RawKernel flash attention, and ``cuda-emulated``, the same on the CPU.
 
-The forward kernel (float16/bfloat16, head_dim 32/64/96/128/256, Dv = D) is in
-``fastattn/_gpu/kernels/flash_forward.cu``.  It compiles in CI but has not yet run on a GPU:
-issue #6 owes the H100 runs.  Decode forwards (Sq <= 16, see ``fastattn._gpu.decode.eligible``) go
-to the split-KV kernel ``flash_decode.cu``; float32 runs the exact SIMT kernels of
-``flash_fp32.cu`` (forward and backward, head_dim and Dv up to 256), both compiled but not yet run
-on a GPU (issue #13).  The float16/bfloat16 backward is in ``flash_backward.cu`` (delta pre-pass,
-dK/dV per block of keys over the GQA group, dQ by float32 atomics or, deterministic, a pass over
-query blocks); it compiles in CI but has not yet run on a GPU (issue #12 owes the runs).  What it
-declines (float64, other head dims, Dv != D) runs on the reference backend, and ``explain`` says why.
+Kernels (``fastattn/_gpu/kernels``): the tensor-core forward (float16/bfloat16, head_dim
+32/64/96/128/256, Dv = D, ``flash_forward.cu``) and backward (delta pre-pass, dK/dV per block of keys
+over the GQA group, dQ by float32 atomics or, deterministic, a pass over query blocks,
+``flash_backward.cu``); decode forwards (Sq <= 16, see ``fastattn._gpu.decode.eligible``) on the
+split-KV kernel ``flash_decode.cu``; float32 on the exact SIMT kernels of ``flash_fp32.cu``.  All of
+them pass the conformance suite in the SIMT emulator (``EmulatedCudaBackend``, issue #19); only the
+tensor-core forward has run on a GPU so far.  What the kernels decline (float64, other head dims,
+Dv != D, dropout) runs on the reference backend, and ``explain`` says why.
 """
 
 from __future__ import annotations
