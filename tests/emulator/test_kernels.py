@@ -41,6 +41,10 @@ FORWARDS = [
     ("bfloat16", (2, 2, 2, 65, 40, 32), AttentionOptions(window=(16, 3), softcap=5.0)),
     ("float16", (2, 4, 2, 1, 300, 64), AttentionOptions(key_lengths=np.array([200, 300]))),
     ("float32", (2, 4, 2, 3, 300, 64), AttentionOptions(causal="bottom_right")),
+    # head_dim 256 (the largest tiles; the conformance suite draws D up to 128) and 96
+    ("bfloat16", (1, 2, 1, 40, 70, 256), AttentionOptions(causal=True)),
+    ("float32", (1, 2, 1, 30, 40, 256), AttentionOptions()),
+    ("float16", (1, 2, 2, 33, 45, 96), AttentionOptions(softcap=10.0)),
 ]
 
 
@@ -64,6 +68,9 @@ BACKWARDS = [
     ("float32", (1, 2, 1, 40, 50, 64), AttentionOptions(causal=True), False),
     ("float16", (1, 2, 1, 70, 90, 64), AttentionOptions(causal="bottom_right"), False),
     ("bfloat16", (1, 2, 2, 70, 90, 64), AttentionOptions(), True),
+    ("float16", (1, 2, 1, 40, 50, 256), AttentionOptions(causal=True), False),
+    ("bfloat16", (1, 1, 1, 30, 40, 256), AttentionOptions(), True),
+    ("float32", (1, 1, 1, 20, 40, 256), AttentionOptions(causal=True), False),
 ]
 
 
