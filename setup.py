@@ -92,25 +92,23 @@ _compile_args = ["-O3"] if sys.platform != "win32" else ["/O2"]
 _kernel_args = _compile_args + _native_flags() + ["-std=gnu++17"] + _sanitize
 _link_args = (_omp + _sanitize) if sys.platform != "win32" else []
 
+def _numpy_c_api_extension(name: str) -> Extension:
+    """A small C extension of the call path on numpy's C API (no kernels: plain optimisation flags)."""
+    return Extension(
+        name,
+        [name.replace(".", "/") + ".pyx"],
+        include_dirs=[numpy.get_include()],
+        define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_25_API_VERSION")],
+        extra_compile_args=_compile_args + _sanitize,
+        extra_link_args=_sanitize if sys.platform != "win32" else [],
+    )
+
+
 extensions = [
     # Host DLPack tensors (torch's) viewed as numpy arrays without Python-level conversion.
-    Extension(
-        "fastattn._dlpack",
-        ["fastattn/_dlpack.pyx"],
-        include_dirs=[numpy.get_include()],
-        define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_25_API_VERSION")],
-        extra_compile_args=_compile_args + _sanitize,
-        extra_link_args=_sanitize if sys.platform != "win32" else [],
-    ),
+    _numpy_c_api_extension("fastattn._dlpack"),
     # The key validated calls are remembered under (numpy's C API reads the arrays' descriptions).
-    Extension(
-        "fastattn._describe",
-        ["fastattn/_describe.pyx"],
-        include_dirs=[numpy.get_include()],
-        define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_25_API_VERSION")],
-        extra_compile_args=_compile_args + _sanitize,
-        extra_link_args=_sanitize if sys.platform != "win32" else [],
-    ),
+    _numpy_c_api_extension("fastattn._describe"),
     # Built like the kernels (C++, same flags, same headers) so that the compiler, OpenMP and SIMD
     # width it reports are the kernels' own.
     Extension(

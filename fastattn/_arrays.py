@@ -181,14 +181,6 @@ def _torch_to_native(tensor: Any, name: str) -> tuple[Any, ArrayOrigin]:
     return (native.view(bfloat16) if bits is not tensor else native), TORCH_CPU
 
 
-def torch_cpu_views(arrays: dict[str, Any]) -> dict[str, Any] | None:
-    """Read-only numpy views of a call's arrays when every one is a torch CPU tensor that
-    ``_dlpack.tensor_view`` views (made in C), else None."""
-    if _torch is None:  # no tensor has come through yet: the general path imports torch
-        return None
-    return _dlpack.tensor_views(arrays, _torch_tensor, _to_dlpack)
-
-
 def natives_of(arrays: dict[str, Any], labels: dict[str, str]) -> tuple[dict[str, Any], Any]:
     """View every array of a call as a numpy or CuPy array, without copying.
 
@@ -206,9 +198,10 @@ def natives_of(arrays: dict[str, Any], labels: dict[str, str]) -> tuple[dict[str
     origins : ArrayOrigin or dict of str to ArrayOrigin
         One origin shared by every array (a call of torch CPU tensors), or each array's own.
     """
-    views = torch_cpu_views(arrays)
-    if views is not None:
-        return views, TORCH_CPU
+    if _torch is not None:  # once a tensor has come through: a call of torch CPU tensors, in C
+        views = _dlpack.tensor_views(arrays, _torch_tensor, _to_dlpack)
+        if views is not None:
+            return views, TORCH_CPU
     natives: dict[str, Any] = {}
     origins: dict[str, ArrayOrigin] = {}
     for name, value in arrays.items():

@@ -455,11 +455,7 @@ def prepare(
     origins: Any = None
     for value in arrays.values():
         if type(value) is not np.ndarray:
-            views = _arrays.torch_cpu_views(arrays)
-            if views is not None:
-                natives, origins = views, _arrays.TORCH_CPU
-            else:
-                natives, origins = _arrays.natives_of(arrays, label)
+            natives, origins = _arrays.natives_of(arrays, label)
             break
     mask = lengths = None
     if options.mask is not None or options.key_lengths is not None:
