@@ -124,13 +124,13 @@ extensions = [
         "fastattn._cpu._flash",
         ["fastattn/_cpu/_flash.pyx"],
         # numpy's C API gives the arrays' addresses and strides without making Python objects.
-        include_dirs=["fastattn/_cpu", numpy.get_include()],
+        include_dirs=["fastattn/_cpu", "fastattn/_shared", numpy.get_include()],
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_25_API_VERSION")],
         language="c++",
         depends=[
             "fastattn/_cpu/flash_forward.h",
             "fastattn/_cpu/flash_backward.h",
-            "fastattn/_cpu/philox.h",
+            "fastattn/_shared/philox.h",
             "fastattn/_cpu/simd.h",
             "fastattn/_cpu/thread_scratch.h",
             "fastattn/_cpu/_omp_shim.h",

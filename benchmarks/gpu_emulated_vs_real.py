@@ -20,6 +20,9 @@ CASES = [  # dtype, (B, Hq, Hkv, Sq, Sk, D), options
     ("bfloat16", (1, 4, 4, 130, 130, 128), {"window": (32, 0), "softcap": 20.0}),
     ("float16", (2, 8, 2, 1, 1000, 128), {"key_lengths": np.array([700, 1000])}),
     ("float32", (1, 4, 2, 100, 150, 64), {"causal": "bottom_right"}),
+    # dropout (issue #20): the device's Philox masks must equal the emulated ones exactly
+    ("bfloat16", (2, 4, 2, 150, 150, 64), {"causal": True, "dropout_p": 0.2, "dropout_seed": 5, "dropout_offset": 3}),
+    ("float32", (1, 4, 2, 100, 150, 64), {"dropout_p": 0.1, "dropout_seed": 2**40 + 9}),
 ]
 
 

@@ -1,7 +1,7 @@
 """Attention dropout: the Philox4x32-10 keep mask shared by every backend, and its arguments.
 
 The mask is never stored.  Each backend regenerates the decision for score element (b, h, i, j)
-from (seed, offset, b, h, i, j) with the counter layout of ``fastattn/_cpu/philox.h``, so the
+from (seed, offset, b, h, i, j) with the counter layout of ``fastattn/_shared/philox.h``, so the
 forward and the backward agree, and the CPU kernels, the reference (numpy or CuPy, here) and the
 GPU kernels produce identical masks for the same seed.
 """

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 
 from fastattn import _codes
-from fastattn._gpu import _launch
+from fastattn._gpu import params
 
 PACKAGE = Path(_codes.__file__).parent
 CPU_HEADER = PACKAGE / "_cpu" / "flash_forward.h"
-GPU_HEADER = PACKAGE / "_gpu" / "kernels" / "decode_common.cuh"
+GPU_HEADER = PACKAGE / "_gpu" / "kernels" / "common.cuh"
 
 
 def enum_values(header: Path, enum: str) -> dict[str, int]:
@@ -43,4 +43,4 @@ def test_codes_are_distinct() -> None:
 
 
 def test_gpu_launchers_take_their_codes_from_the_table() -> None:
-    assert _launch.MASK_KINDS == {name: _codes.MASK_CODES[name] for name in ("bool", "float32", "float16", "bfloat16")}
+    assert params.MASK_KINDS == {name: _codes.MASK_CODES[name] for name in ("bool", "float32", "float16", "bfloat16")}

@@ -1,7 +1,8 @@
 """Host-side logic of the GPU launchers (issue #13), checked without a GPU or CuPy.
 
 Decode dispatch and split plan, shared-memory sizes within what every target GPU grants a block,
-the float32/float64 refusals of the cuda backend, and the header inlining that NVRTC relies on.
+the float32/float64 refusals of the cuda backend, the header inlining that NVRTC relies on, and the
+launches themselves (each passes the call's one Params record, pointing at the call's arrays).
 """
 
 from __future__ import annotations
@@ -9,14 +10,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import re
 import sys
 import types
 
 import numpy as np
 import pytest
 
-from fastattn._gpu import _launch, backward, decode, forward, fp32
+from fastattn._gpu import _launch, backward, decode, forward, fp32, ops, params
 from fastattn._problem import AttentionExtras, AttentionProblem
 from fastattn.backends.cuda import CudaBackend
 
@@ -36,16 +36,23 @@ def problem(**changes) -> AttentionProblem:
     return dataclasses.replace(base, **changes)
 
 
+def _runs_decode(case: AttentionProblem) -> bool:
+    with _launch.emulated():  # the device facts of an H100 (the backward's shared memory)
+        op = ops.select(case)
+    return op is not None and op.name == "flash_decode"
+
+
 def test_decode_takes_the_kv_cache_step() -> None:
-    assert decode.eligible(problem())
-    assert decode.eligible(problem(dtype="float32", seq_q=16))
-    assert not decode.eligible(problem(seq_q=17))
-    assert not decode.eligible(problem(head_dim=96, head_dim_v=96))
-    assert not decode.eligible(problem(head_dim_v=64))
-    assert not decode.eligible(problem(dtype="float64"))
-    assert not decode.eligible(problem(direction="backward"))
-    assert not decode.eligible(problem(dtype="float32", k_strides=(4096 * 130, 4096 * 130, 130, 1)))
-    assert not decode.eligible(problem(mask="float", mask_shape=(1, 1, 1, 4096), mask_dtype="float64"))
+    assert _runs_decode(problem())
+    assert _runs_decode(problem(dtype="float32", seq_q=16))
+    assert not _runs_decode(problem(seq_q=17))
+    assert not _runs_decode(problem(head_dim=96, head_dim_v=96))
+    assert not _runs_decode(problem(head_dim_v=64))
+    assert not _runs_decode(problem(dtype="float64"))
+    assert not _runs_decode(problem(direction="backward"))
+    assert not _runs_decode(problem(dtype="float32", k_strides=(4096 * 130, 4096 * 130, 130, 1)))
+    assert not _runs_decode(problem(mask="float", mask_shape=(1, 1, 1, 4096), mask_dtype="float64"))
+    assert not _runs_decode(problem(dropout_p=0.1))
 
 
 @pytest.mark.parametrize("seq_k", [1, 7, 63, 64, 65, 257, 4095, 4096, 4097, 100_000])
@@ -105,44 +112,19 @@ def test_sources_reach_nvrtc_with_their_headers_inlined() -> None:
         assert "struct Visibility" in text
 
 
-# Launch arguments against the kernels' parameter lists, with a stand-in for CuPy that records launches.
-
-_KERNEL = re.compile(r"__global__ void (?:__launch_bounds__\([^)]*\)\s+)?(\w+)\((.*?)\)\s*\{", re.DOTALL)
+# Launches, recorded by a stand-in for CuPy: each passes one Params record.
 
 
-def _signatures() -> dict[str, list[str]]:
-    """Kernel name -> parameter kinds ("pointer", "long long", "int", "float"), from the sources."""
-    signatures = {}
-    for source in (decode.SOURCE, fp32.SOURCE, forward.SOURCE, backward.SOURCE):
-        text = _launch.source_text(source)
-        rules = re.search(r"#define FASTATTN_RULE_PARAMS\s*\\\n(.*?)\n\n", text + "\n\n", re.DOTALL)
-        for name, parameters in _KERNEL.findall(text):
-            if rules and "FASTATTN_RULE_PARAMS" in parameters:
-                parameters = parameters.replace("FASTATTN_RULE_PARAMS", rules.group(1).split("#define")[0])
-            kinds = []
-            for parameter in parameters.replace("\\", " ").split(","):
-                declaration = " ".join(parameter.split())
-                if "*" in declaration:
-                    kinds.append("pointer")
-                elif declaration.startswith("long long"):
-                    kinds.append("long long")
-                else:
-                    kinds.append(declaration.split()[0])
-            signatures[name] = kinds
-    return signatures
-
-
-def _matches(kind: str, value: object) -> bool:
-    if kind == "pointer":
-        return isinstance(value, (np.ndarray, np.uint64))
-    return isinstance(value, {"long long": np.int64, "int": np.int32, "float": np.float32}[kind])
+def _record(arguments: tuple) -> np.void:
+    (record,) = arguments
+    assert isinstance(record, np.void) and record.dtype == params.PARAMS
+    return record
 
 
 @pytest.fixture
-def launches(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, tuple, tuple, int]]:
+def launches(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, tuple, tuple, int, tuple]]:
     """Replace CuPy by a recorder; each launch is checked against its kernel's parameter list."""
-    signatures = _signatures()
-    recorded: list[tuple[str, tuple, tuple, int]] = []
+    recorded: list[tuple[str, tuple, tuple, int, tuple]] = []
 
     class Function:
         def __init__(self, name: str) -> None:
@@ -150,15 +132,11 @@ def launches(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, tuple, tuple, i
             self.max_dynamic_shared_size_bytes = 0
 
         def __call__(self, grid: tuple, block: tuple, arguments: tuple, shared_mem: int = 0) -> None:
-            kernel = self.name.split("::")[1].split("<")[0]
-            kinds = signatures[kernel]
-            assert len(arguments) == len(kinds), f"{kernel}: {len(arguments)} arguments for {len(kinds)} parameters"
-            for index, (kind, value) in enumerate(zip(kinds, arguments)):
-                assert _matches(kind, value), f"{kernel} parameter {index}: {kind} given {type(value).__name__}"
+            _record(arguments)
             assert shared_mem <= max(self.max_dynamic_shared_size_bytes, 48 * 1024)
             x, y, z = (*grid, 1, 1)[:3]
             assert 0 < x < 2**31 and 0 < y < 65536 and 0 < z < 65536
-            recorded.append((self.name, grid, block, shared_mem))
+            recorded.append((self.name, grid, block, shared_mem, arguments))
 
     class Module:
         def __init__(self, code: str, options: tuple, name_expressions: tuple) -> None:
@@ -215,12 +193,23 @@ def test_fp32_launch_arguments_match_the_kernels(launches) -> None:
     fp32.forward(case, a["q"], a["k"], a["v"], a["out"], a["lse"], extras)
     fp32.backward(case, a["out"], a["q"], a["k"], a["v"], a["out"], a["lse"], extras)
     assert [launch[0] for launch in launches] == [
-        "fastattn_gpu::fp32_forward<128>",
+        "fastattn_gpu::fp32_forward<128, false>",
         "fastattn_gpu::fp32_delta",
-        "fastattn_gpu::fp32_backward_kv<128>",
-        "fastattn_gpu::fp32_backward_q<128>",
+        "fastattn_gpu::fp32_backward_kv<128, false>",
+        "fastattn_gpu::fp32_backward_q<128, false>",
     ]
     assert launches[0][1] == (2, 32, 32) and launches[2][1] == (3, 8, 32) and launches[3][1] == (2, 32, 32)
+    forward_record, backward_record = _record(launches[0][4]), _record(launches[1][4])
+    for name in ("q", "k", "v", "out", "lse"):
+        assert forward_record[name]["data"] == a[name].ctypes.data
+        assert tuple(forward_record[name][["sb", "sh", "ss"]].item()) == tuple(
+            stride // a[name].itemsize for stride in a[name].strides[:3]
+        )
+    assert forward_record["rules"]["window_left"] == 5 and forward_record["rules"]["window_right"] == 7
+    assert forward_record["head_dim"] == 80 and forward_record["head_dim_v"] == 24
+    assert all(backward_record[name]["data"] != 0 for name in ("dq", "dk", "dv", "dout"))
+    assert backward_record["delta"] != 0
+    assert all(_record(launch[4]) == backward_record for launch in launches[2:]), "one record per call"
 
 
 @pytest.mark.parametrize("deterministic", [False, True])

@@ -1,8 +1,10 @@
-"""What every GPU launcher needs: sources with their headers, compiled kernels, strides, streams.
+"""What every GPU launcher needs: sources with their headers, compiled kernels, streams, the device.
 
-Sources may ``#include "name.cuh"`` headers from ``kernels/``: :func:`source_text` inlines them,
-so NVRTC needs no include path and CuPy's on-disk kernel cache keys on the whole text (an edited
-header recompiles).  nvcc (CI's compile check) finds the same headers next to the sources.
+Sources may ``#include "name.cuh"`` headers from ``kernels/`` and ``"name.h"`` headers shared with the
+CPU build from ``fastattn/_shared`` (philox.h): :func:`source_text` inlines them, so NVRTC needs no
+include path and CuPy's on-disk kernel cache keys on the whole text (an edited header recompiles).
+nvcc (CI's compile check) and the emulator find the same headers on their include paths
+(:data:`INCLUDE_DIRS`).
 """
 
 from __future__ import annotations
@@ -20,19 +22,19 @@ from typing import Any
 
 import numpy as np
 
-from .._codes import MASK_CODES
-from .._problem import AttentionExtras, AttentionProblem
-
 KERNELS = Path(__file__).with_name("kernels")
-#: The mask kinds the GPU kernels read, with their codes (``fastattn/_codes.py``; no float64 mask).
-MASK_KINDS = {name: code for name, code in MASK_CODES.items() if name not in (None, "float64")}
+#: Headers shared with the CPU build (the Philox dropout mask).
+SHARED = Path(__file__).parent.parent / "_shared"
+#: Where the sources' ``#include "..."`` headers are found, in order.
+INCLUDE_DIRS = (KERNELS, SHARED)
 #: C++ element type of each input dtype of the tensor-core kernels.
 ELEMENTS = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
-_INCLUDE = re.compile(r'^#include "([A-Za-z0-9_]+\.cuh)"$', re.MULTILINE)
+_INCLUDE = re.compile(r'^#include "([A-Za-z0-9_]+\.(?:cuh|h))"$', re.MULTILINE)
 
 
 def source_text(name: str) -> str:
-    """The text of ``kernels/<name>`` with each local ``#include "x.cuh"`` replaced by the header.
+    """The text of ``kernels/<name>`` with each local ``#include "x.cuh"`` (or ``"x.h"``) replaced by
+    the header, found in :data:`INCLUDE_DIRS`.
 
     Headers that include headers are expanded in turn, each header once (they are ``#pragma once``
     anyway, and NVRTC, given no include path, could not find a second copy's include).
@@ -43,7 +45,10 @@ def source_text(name: str) -> str:
         if file in expanded:
             return ""
         expanded.add(file)
-        return _INCLUDE.sub(lambda match: expand(match.group(1)), (KERNELS / file).read_text())
+        path = next((folder / file for folder in INCLUDE_DIRS if (folder / file).exists()), None)
+        if path is None:
+            raise FileNotFoundError(f"{name}: #include \"{file}\" is in none of {[str(d) for d in INCLUDE_DIRS]}")
+        return _INCLUDE.sub(lambda match: expand(match.group(1)), path.read_text())
 
     return expand(name)
 
@@ -122,16 +127,6 @@ def _device_kernel(source: str, name: str, shared_bytes: int) -> Any:
     return function
 
 
-def strides3(array: Any) -> list[np.int64]:
-    """Element strides of the first three axes of a ``(B, H, S, D)`` array, as kernel arguments."""
-    return [np.int64(stride // array.itemsize) for stride in array.strides[:3]]
-
-
-def strides2(array: Any) -> list[np.int64]:
-    """Element strides of the first two axes of a ``(B, H, S)`` lse array (its last axis contiguous)."""
-    return [np.int64(stride // array.itemsize) for stride in array.strides[:2]]
-
-
 def stream(framework: str) -> Any:
     """The caller's current stream: torch's for torch tensors, else CuPy's (none on the emulator)."""
     if _EMULATED.get():
@@ -142,33 +137,6 @@ def stream(framework: str) -> Any:
 
         return cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
     return cupy.cuda.get_current_stream()
-
-
-def rule_arguments(problem: AttentionProblem, extras: AttentionExtras) -> list[Any]:
-    """causal, offset, window, mask (pointer, kind, four strides) and key_lengths, in kernel order."""
-    left, right = problem.window if problem.window is not None else (-1, -1)
-    null = np.uint64(0)
-    mask = extras.mask
-    if mask is None:
-        mask_arguments = [null, np.int32(0)] + [np.int64(0)] * 4
-    else:
-        mask_strides = [0 if size == 1 else stride // mask.itemsize for size, stride in zip(mask.shape, mask.strides)]
-        mask_arguments = [mask, np.int32(MASK_KINDS[mask.dtype.name])] + [np.int64(s) for s in mask_strides]
-    return [
-        np.int32(problem.causal is not None), np.int32(problem.key_offset), np.int32(left), np.int32(right),
-        *mask_arguments,
-        null if extras.key_lengths is None else extras.key_lengths,
-    ]  # fmt: skip
-
-
-def contract_arguments(problem: AttentionProblem, extras: AttentionExtras) -> list[Any]:
-    """The tensor-core kernels' trailing arguments: seq_q, seq_k, group, scale, softcap, then
-    :func:`rule_arguments`."""
-    return [
-        np.int32(problem.seq_q), np.int32(problem.seq_k), np.int32(problem.group_size),
-        np.float32(problem.scale), np.float32(problem.softcap or 0.0),
-        *rule_arguments(problem, extras),
-    ]  # fmt: skip
 
 
 def multiprocessors() -> int:
@@ -183,3 +151,36 @@ def multiprocessors() -> int:
 def _multiprocessors(device: int) -> int:
     cupy = importlib.import_module("cupy")
     return int(cupy.cuda.Device(device).attributes["MultiProcessorCount"])
+
+
+def aligned(array: Any) -> Any:
+    """``array``, or a contiguous copy when its data or row strides are not 16-byte aligned.
+
+    The tensor-core kernels copy rows in 16-byte chunks (cp.async and vector loads): a base
+    address off 16 bytes (a view into a buffer) faults.
+    """
+    xp = array_module()
+    offsets = [address(array), *(stride for size, stride in zip(array.shape[:3], array.strides[:3]) if size > 1)]
+    if all(offset % 16 == 0 for offset in offsets):
+        return array
+    # A new buffer (the allocator aligns it): ascontiguousarray would hand back a contiguous view
+    # whose only fault is its base address unchanged.
+    return xp.array(array, order="C", copy=True)
+
+
+_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN = 97  # cudaDevAttrMaxSharedMemoryPerBlockOptin
+
+
+def shared_memory_per_block() -> int:
+    """The most dynamic shared memory one block may opt into on the current device (the emulated
+    device's inside :func:`emulated`)."""
+    if _EMULATED.get():
+        return EMULATED_SHARED_MEMORY_PER_BLOCK
+    cupy = importlib.import_module("cupy")
+    return _shared_memory_per_block(int(cupy.cuda.runtime.getDevice()))
+
+
+@functools.cache
+def _shared_memory_per_block(device: int) -> int:
+    cupy = importlib.import_module("cupy")
+    return int(cupy.cuda.runtime.deviceGetAttribute(_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, device))

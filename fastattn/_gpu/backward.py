@@ -5,8 +5,9 @@ One call runs three kernels on the caller's current stream (CuPy's, or torch's f
 cleared), ``flash_backward_kv`` (dK, dV per block of keys over the GQA group, and dQ through float32
 atomics), then ``flash_backward_dq_convert`` (dQ into the input dtype).  With ``deterministic=True``
 the kv kernel skips the atomics and ``flash_backward_dq`` computes dQ in a pass over query blocks,
-so every gradient is summed in a fixed order.  Each (dtype, head_dim, deterministic) configuration
-is compiled once per process, like the forward's.
+so every gradient is summed in a fixed order.  Each (dtype, head_dim, deterministic, dropout)
+configuration is compiled once per process, like the forward's.  Every launch passes the call's one
+``Params`` record (``params.py``).
 """
 
 from __future__ import annotations
@@ -15,11 +16,10 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
+from .. import _arrays
 from .._problem import AttentionExtras, AttentionProblem
-from . import _launch, forward
-from ._launch import ELEMENTS, compiled, contract_arguments, stream, strides3
+from . import _launch, forward, params
+from ._launch import ELEMENTS, compiled, stream
 
 SOURCE = "flash_backward.cu"
 HEAD_DIMS = forward.HEAD_DIMS
@@ -77,21 +77,59 @@ def shared_bytes(head_dim: int, deterministic: bool) -> int:
     return max(kv_shared_bytes(head_dim), dq_shared_bytes(head_dim) if deterministic else 0)
 
 
-def kernel_names(dtype: str, head_dim: int, deterministic: bool) -> tuple[str, str, str]:
+def problem_shared_bytes(problem: AttentionProblem) -> int:
+    """:func:`shared_bytes` of ``problem`` (the kernel table's form)."""
+    return shared_bytes(problem.head_dim, problem.deterministic)
+
+
+def kernel_names(dtype: str, head_dim: int, deterministic: bool, dropout: bool) -> tuple[str, str, str]:
     """Template instances of one configuration: prepare, kv, and the dQ kernel (pass or convert)."""
     element = ELEMENTS[dtype]
     block_m, key_warps = backward_tiles(head_dim)
     atomic = "false" if deterministic else "true"
+    flag = "true" if dropout else "false"
     last = (
-        f"fastattn_gpu::flash_backward_dq<{element}, {head_dim}, {dq_block_keys(head_dim)}>"
+        f"fastattn_gpu::flash_backward_dq<{element}, {head_dim}, {dq_block_keys(head_dim)}, {flag}>"
         if deterministic
         else f"fastattn_gpu::flash_backward_dq_convert<{element}>"
     )
     return (
         f"fastattn_gpu::flash_backward_prepare<{element}, {head_dim}>",
-        f"fastattn_gpu::flash_backward_kv<{element}, {head_dim}, {block_m}, {key_warps}, {atomic}>",
+        f"fastattn_gpu::flash_backward_kv<{element}, {head_dim}, {block_m}, {key_warps}, {atomic}, {flag}>",
         last,
     )
+
+
+def instances(problem: AttentionProblem) -> tuple[str, ...]:
+    """The kernel instances that run ``problem``'s backward, in launch order."""
+    return kernel_names(problem.dtype, problem.head_dim, problem.deterministic, problem.dropout_p > 0)
+
+
+def all_instances() -> tuple[str, ...]:
+    """Every instance :func:`instances` can name (CI's nvcc compiles each), without repeats."""
+    names = (
+        kernel_names(dtype, head_dim, deterministic, dropout)
+        for dtype in forward.DTYPES
+        for head_dim in HEAD_DIMS
+        for deterministic in (False, True)
+        for dropout in (False, True)
+    )
+    return tuple(dict.fromkeys(name for triple in names for name in triple))
+
+
+def declines(problem: AttentionProblem) -> list[str]:
+    """The forward's reasons (same operands and tiles), and a block the device cannot hold."""
+    reasons = forward.declines(problem)
+    if problem.head_dim not in HEAD_DIMS:
+        return reasons
+    needed = shared_bytes(problem.head_dim, problem.deterministic)
+    granted = _launch.shared_memory_per_block()
+    if needed > granted:
+        reasons.append(
+            f"the backward for head_dim {problem.head_dim} needs {needed} bytes of shared memory per block; "
+            f"this GPU grants {granted}"
+        )
+    return reasons
 
 
 @dataclass(frozen=True)
@@ -103,28 +141,34 @@ class Kernels:
     dq: Any
 
 
-def kernels(dtype: str, head_dim: int, deterministic: bool) -> Kernels:
-    """The compiled kernels for one configuration (each compiled on first use, then cached)."""
-    names = kernel_names(dtype, head_dim, deterministic)
-    sizes = (0, kv_shared_bytes(head_dim), dq_shared_bytes(head_dim) if deterministic else 0)
-    return Kernels(*(compiled(SOURCE, name, size) for name, size in zip(names, sizes)))
+def kernels(problem: AttentionProblem) -> Kernels:
+    """The compiled kernels for ``problem`` (each compiled on first use, then cached)."""
+    head_dim = problem.head_dim
+    sizes = (0, kv_shared_bytes(head_dim), dq_shared_bytes(head_dim) if problem.deterministic else 0)
+    return Kernels(*(compiled(SOURCE, name, size) for name, size in zip(instances(problem), sizes)))
 
 
-def aligned(array: Any) -> Any:
-    """``array``, or a contiguous copy when its data or row strides are not 16-byte aligned.
+def run(
+    problem: AttentionProblem, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, extras: AttentionExtras
+) -> tuple[Any, Any, Any]:
+    """Return ``(dq, dk, dv)`` (input dtype, the problem's layout) for (B, H, S, D)-ordered arrays.
 
-    The kernels copy rows in 16-byte chunks (cp.async and vector loads).
+    Inputs whose rows are not 16-byte aligned are copied first; copies and outputs are made on the
+    stream the kernels run on, so they are ordered with them.
     """
     xp = _launch.array_module()
-    offsets = [
-        _launch.address(array),
-        *(stride for size, stride in zip(array.shape[:3], array.strides[:3]) if size > 1),
-    ]
-    if all(offset % 16 == 0 for offset in offsets):
-        return array
-    # A new buffer (the allocator aligns it): ascontiguousarray would hand back a contiguous view
-    # whose only fault is its base address unchanged.
-    return xp.array(array, order="C", copy=True)
+    inputs = {"q": q, "k": k, "v": v, "dout": dout, "out": out}
+    b, hq, hkv, sq, sk = problem.batch, problem.heads_q, problem.heads_kv, problem.seq_q, problem.seq_k
+    with stream(problem.framework):
+        arrays = {name: _launch.aligned(array) for name, array in inputs.items()}
+        arrays["lse"] = lse
+        grads = (
+            _arrays.empty_bhsd(xp, (b, hq, sq, problem.head_dim), q.dtype, problem.layout),
+            _arrays.empty_bhsd(xp, (b, hkv, sk, problem.head_dim), k.dtype, problem.layout),
+            _arrays.empty_bhsd(xp, (b, hkv, sk, problem.head_dim_v), v.dtype, problem.layout),
+        )
+    backward(problem, arrays, grads, extras)
+    return grads
 
 
 def backward(
@@ -141,7 +185,7 @@ def backward(
         The validated call; ``problem.deterministic`` selects the dQ pass over the atomics.
     arrays : dict
         ``q, k, v, dout, out`` as (B, H, S, D)-ordered CuPy arrays of the input dtype with 16-byte
-        aligned rows (see :func:`aligned`), and ``lse`` (B, Hq, Sq) float32.
+        aligned rows (see :func:`._launch.aligned`), and ``lse`` (B, Hq, Sq) float32.
     grads : tuple of arrays
         ``dq (B, Hq, Sq, D), dk (B, Hkv, Sk, D), dv (B, Hkv, Sk, D)`` to write, input dtype, last
         axis contiguous.
@@ -149,59 +193,38 @@ def backward(
         Mask and key_lengths as given to the forward.
     """
     xp = _launch.array_module()
-    q, k, v, dout, out, lse = (arrays[name] for name in ("q", "k", "v", "dout", "out", "lse"))
     dq, dk, dv = grads
     head_dim, deterministic = problem.head_dim, problem.deterministic
-    launch = kernels(problem.dtype, head_dim, deterministic)
+    launch = kernels(problem)
+    record = params.from_problem(problem, extras)
+    for name in ("q", "k", "v", "dout", "out", "lse"):
+        params.set_operand(record, name, arrays[name])
+    for name, array in (("dq", dq), ("dk", dk), ("dv", dv)):
+        params.set_operand(record, name, array)
     rows = problem.batch * problem.heads_q * problem.seq_q
-    contract = contract_arguments(problem, extras)
-    null = np.uint64(0)
     with stream(problem.framework):
         # Scratch allocated on the launch stream, so that CuPy's pool cannot hand it to another
         # stream while these kernels still use it.
-        lse2 = xp.empty(rows, dtype=xp.float32)
-        delta = xp.empty(rows, dtype=xp.float32)
-        dq_accum = None if deterministic else xp.empty(rows * head_dim, dtype=xp.float32)
+        scratch = {"lse2": xp.empty(rows, dtype=xp.float32), "delta": xp.empty(rows, dtype=xp.float32)}
+        if not deterministic:
+            scratch["dq_accum"] = xp.empty(rows * head_dim, dtype=xp.float32)
+        for name, array in scratch.items():
+            params.set_pointer(record, name, array)
+        argument = params.argument(record)
         lanes = 1 << max(2, math.ceil(math.log2(head_dim // 8)))  # threads per row, a power of 2
-        launch.prepare(
-            (math.ceil(rows / (PREPARE_THREADS // lanes)),),
-            (PREPARE_THREADS,),
-            (
-                dout, out, lse, lse2, delta, null if dq_accum is None else dq_accum,
-                *strides3(dout), *strides3(out),
-                *(np.int64(stride // lse.itemsize) for stride in lse.strides),
-                np.int32(problem.heads_q), np.int32(problem.seq_q), np.int64(rows),
-            ),
-        )  # fmt: skip
+        launch.prepare((math.ceil(rows / (PREPARE_THREADS // lanes)),), (PREPARE_THREADS,), argument)
         launch.kv(
             (math.ceil(problem.seq_k / block_keys(head_dim)), problem.heads_kv, problem.batch),
             (KV_WARPS * 32,),
-            (
-                q, k, v, dout, lse2, delta, null if dq_accum is None else dq_accum, dk, dv,
-                *strides3(q), *strides3(k), *strides3(v), *strides3(dout),
-                *strides3(dk), *strides3(dv),
-                *contract,
-            ),
+            argument,
             shared_mem=kv_shared_bytes(head_dim),
-        )  # fmt: skip
+        )
         if deterministic:
             launch.dq(
                 (math.ceil(problem.seq_q / DQ_BLOCK_M), problem.heads_q, problem.batch),
                 (DQ_WARPS * 32,),
-                (
-                    q, k, v, dout, lse2, delta, dq,
-                    *strides3(q), *strides3(k), *strides3(v), *strides3(dout), *strides3(dq),
-                    *contract,
-                ),
+                argument,
                 shared_mem=dq_shared_bytes(head_dim),
-            )  # fmt: skip
+            )
         else:
-            chunks = rows * head_dim // 8
-            launch.dq(
-                (math.ceil(chunks / CONVERT_THREADS),),
-                (CONVERT_THREADS,),
-                (
-                    dq_accum, dq, *strides3(dq),
-                    np.int32(problem.heads_q), np.int32(problem.seq_q), np.int32(head_dim), np.int64(chunks),
-                ),
-            )  # fmt: skip
+            launch.dq((math.ceil(rows * head_dim // 8 / CONVERT_THREADS),), (CONVERT_THREADS,), argument)

@@ -1,9 +1,9 @@
 """Launcher of the split-KV decode kernel and its combine kernel (``kernels/flash_decode.cu``).
 
-The cuda backend sends a forward here when :func:`eligible` holds (``Sq <= 16``, the KV-cache
-step).  One block handles (key split, kv head, chunk of packed GQA rows, batch row); with more
-than one split the partial results (float32, normalised, plus a partial lse each) are merged by
-``decode_combine``.
+The cuda backend sends a forward here when :func:`declines` has no reason (``Sq <= 16``, the
+KV-cache step, no dropout; ``fastattn/_gpu/ops.py``).  One block handles (key split, kv head, chunk
+of packed GQA rows, batch row); with more than one split the partial results (float32, normalised,
+plus a partial lse each) are merged by ``decode_combine``.
 
 Split count (:func:`plan`): enough blocks to fill the device, never splits so short that the
 per-block prologue (loading the packed queries, the first tile) outweighs the streaming::
@@ -23,10 +23,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import numpy as np
-
 from .._problem import AttentionExtras, AttentionProblem
-from . import _launch
+from . import _launch, params
 
 SOURCE = "flash_decode.cu"
 HEAD_DIMS = (32, 64, 128, 256)
@@ -35,23 +33,49 @@ THREADS = 128
 BLOCKS_PER_SM = 4
 MIN_KEYS_PER_SPLIT = 256
 _ELEMENTS = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float"}
+DTYPES = tuple(_ELEMENTS)
 _ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
 
 
-def eligible(problem: AttentionProblem) -> bool:
-    """Whether the decode kernel runs this forward (the cuda backend's dispatch).
+def declines(problem: AttentionProblem) -> list[str]:
+    """Why the decode kernel does not run this forward (empty: it does; the cuda backend's fast path).
 
-    Sq <= 16, float16/bfloat16/float32, D == Dv in ``HEAD_DIMS``, K and V rows 16-byte aligned, and
-    a mask the kernels read.
+    It takes Sq <= 16, float16/bfloat16/float32, D == Dv in ``HEAD_DIMS``, K and V rows 16-byte
+    aligned, a mask the kernels read, and no dropout (inference does not use it; such calls run on
+    the general forward).
     """
-    if problem.direction != "forward" or problem.seq_q > MAX_QUERIES or problem.dtype not in _ELEMENTS:
-        return False
+    reasons = []
+    if problem.seq_q > MAX_QUERIES:
+        reasons.append(f"takes Sq <= {MAX_QUERIES}, received {problem.seq_q}")
     if problem.head_dim not in HEAD_DIMS or problem.head_dim_v != problem.head_dim:
-        return False
-    vector = 16 // _ITEMSIZE[problem.dtype]
+        reasons.append(f"takes D == Dv in {HEAD_DIMS}, received D={problem.head_dim}, Dv={problem.head_dim_v}")
+    vector = 16 // _ITEMSIZE.get(problem.dtype, 16)
     if any(stride % vector for stride in (*problem.k_strides[:3], *problem.v_strides[:3])):
-        return False
-    return problem.mask != "float" or problem.mask_dtype in _launch.MASK_KINDS
+        reasons.append("needs K and V row strides of whole 16-byte chunks")
+    if problem.mask == "float" and problem.mask_dtype not in params.MASK_KINDS:
+        reasons.append(f"takes float masks in float32/float16/bfloat16, not {problem.mask_dtype}")
+    if problem.dropout_p > 0:
+        reasons.append("runs no dropout (inference does not use it)")
+    return reasons
+
+
+def instances(problem: AttentionProblem) -> tuple[str, ...]:
+    """The kernel instances that run ``problem``: the decode, then the combine when it splits."""
+    element = _ELEMENTS[problem.dtype]
+    decode = f"fastattn_gpu::flash_decode<{element}, {problem.head_dim}, {rows_per_block(problem)}>"
+    if plan(problem, _launch.multiprocessors())[0] == 1:
+        return (decode,)
+    return decode, f"fastattn_gpu::decode_combine<{element}>"
+
+
+def all_instances() -> tuple[str, ...]:
+    """Every instance :func:`instances` can name (CI's nvcc compiles each)."""
+    return tuple(
+        f"fastattn_gpu::flash_decode<{element}, {head_dim}, {rows}>"
+        for element in _ELEMENTS.values()
+        for head_dim in HEAD_DIMS
+        for rows in (4, 8)
+    ) + tuple(f"fastattn_gpu::decode_combine<{element}>" for element in _ELEMENTS.values())
 
 
 def aligned(*arrays: Any) -> bool:
@@ -78,6 +102,11 @@ def shared_bytes(dtype: str, head_dim: int, rows: int) -> int:
     return 4 * (rows * head_dim + rows * keys + 3 * rows) + max(tiles, reduction)
 
 
+def problem_shared_bytes(problem: AttentionProblem) -> int:
+    """:func:`shared_bytes` of ``problem`` (the kernel table's form)."""
+    return shared_bytes(problem.dtype, problem.head_dim, rows_per_block(problem))
+
+
 def plan(problem: AttentionProblem, multiprocessors: int) -> tuple[int, int]:
     """Return ``(splits, keys_per_split)`` for a decode problem (see the module docstring)."""
     rows = rows_per_block(problem)
@@ -101,36 +130,27 @@ def forward(problem: AttentionProblem, q: Any, k: Any, v: Any, out: Any, lse: An
         ``(B, Hq, Sq)`` float32 with a contiguous last axis, written (natural log).
     """
     xp = _launch.array_module()
-
     rows = rows_per_block(problem)
     splits, per_split = plan(problem, _launch.multiprocessors())
+    record = params.from_problem(problem, extras)
+    for name, array in (("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse)):
+        params.set_operand(record, name, array)
+    record["keys_per_split"] = per_split
     query_rows = problem.batch * problem.heads_q * problem.seq_q
-    null = np.uint64(0)
-    partial_out = xp.empty((splits, query_rows, problem.head_dim), dtype=xp.float32) if splits > 1 else null
-    partial_lse = xp.empty((splits, query_rows), dtype=xp.float32) if splits > 1 else null
-    arguments = [
-        q, k, v, out, lse, partial_out, partial_lse,
-        *_launch.strides3(q), *_launch.strides3(k), *_launch.strides3(v), *_launch.strides3(out),
-        *_launch.strides2(lse),
-        np.int32(problem.batch), np.int32(problem.heads_q), np.int32(problem.seq_q), np.int32(problem.seq_k),
-        np.int32(problem.group_size), np.int32(per_split),
-        np.float32(problem.scale), np.float32(problem.softcap or 0.0),
-        *_launch.rule_arguments(problem, extras),
-    ]  # fmt: skip
-    element = _ELEMENTS[problem.dtype]
     shared = shared_bytes(problem.dtype, problem.head_dim, rows)
-    name = f"fastattn_gpu::flash_decode<{element}, {problem.head_dim}, {rows}>"
     chunks = math.ceil(problem.group_size * problem.seq_q / rows)
+    names = instances(problem)
     with _launch.stream(problem.framework):
-        _launch.compiled(SOURCE, name, shared)(
-            (splits, problem.heads_kv * chunks, problem.batch), (THREADS,), tuple(arguments), shared_mem=shared
+        # The partials stay referenced until the launches are made (on the emulator, until they ran).
+        partials = {}
+        if splits > 1:
+            partials["partial_out"] = xp.empty((splits, query_rows, problem.head_dim), xp.float32)
+            partials["partial_lse"] = xp.empty((splits, query_rows), xp.float32)
+        for name, array in partials.items():
+            params.set_pointer(record, name, array)
+        argument = params.argument(record)
+        _launch.compiled(SOURCE, names[0], shared)(
+            (splits, problem.heads_kv * chunks, problem.batch), (THREADS,), argument, shared_mem=shared
         )
         if splits > 1:
-            combine = [
-                partial_out, partial_lse, out, lse, *_launch.strides3(out), *_launch.strides2(lse),
-                np.int32(problem.heads_q), np.int32(problem.seq_q), np.int32(problem.head_dim), np.int32(splits),
-                np.int64(query_rows),
-            ]  # fmt: skip
-            _launch.compiled(SOURCE, f"fastattn_gpu::decode_combine<{element}>", 0)(
-                (query_rows,), (THREADS,), tuple(combine)
-            )
+            _launch.compiled(SOURCE, names[1], 0)((query_rows,), (THREADS,), argument)

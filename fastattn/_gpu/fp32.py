@@ -4,7 +4,8 @@ SIMT float32 throughout (no TF32: ``allow_tf32`` is not offered yet), so results
 float64 to float32 rounding.  One head-dimension bucket (32, 64, 128 or 256) covers ``max(D, Dv)``;
 any element strides with a contiguous last axis work.  The backward is three launches: the delta
 pre-pass, dK/dV over key blocks (deterministic sum over the GQA group), dQ over query blocks
-(a second pass instead of atomics: deterministic).
+(a second pass instead of atomics: deterministic).  Dropout runs in the ``DROPOUT`` instances.
+Every launch of a call passes its one ``Params`` record (``params.py``).
 """
 
 from __future__ import annotations
@@ -12,19 +13,18 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import numpy as np
-
 from .. import _arrays
 from .._problem import AttentionExtras, AttentionProblem
-from . import _launch
+from . import _launch, params
 
 SOURCE = "flash_fp32.cu"
+DTYPES = ("float32",)
 BUCKETS = (32, 64, 128, 256)
 MAX_HEAD_DIM = BUCKETS[-1]
 THREADS = 256
 
 
-def not_supported_reasons(problem: AttentionProblem) -> list[str]:
+def declines(problem: AttentionProblem) -> list[str]:
     """Why the float32 kernels cannot run ``problem`` (forward or backward); empty when they can."""
     reasons = []
     if max(problem.head_dim, problem.head_dim_v) > MAX_HEAD_DIM:
@@ -32,7 +32,7 @@ def not_supported_reasons(problem: AttentionProblem) -> list[str]:
             f"float32 takes head_dim and Dv up to {MAX_HEAD_DIM}, "
             f"received D={problem.head_dim}, Dv={problem.head_dim_v}"
         )
-    if problem.mask == "float" and problem.mask_dtype not in _launch.MASK_KINDS:
+    if problem.mask == "float" and problem.mask_dtype not in params.MASK_KINDS:
         reasons.append(f"takes float masks in float32/float16/bfloat16, not {problem.mask_dtype}")
     return reasons
 
@@ -71,10 +71,48 @@ def q_shared_bytes(dmax: int) -> int:
     return 4 * (2 * rows * stride + 2 * keys * stride + rows * (keys + 1) + 2 * rows)
 
 
-def _sizes(problem: AttentionProblem) -> list[Any]:
-    return [
-        np.int32(problem.seq_q), np.int32(problem.seq_k), np.int32(problem.head_dim), np.int32(problem.head_dim_v),
-    ]  # fmt: skip
+def forward_problem_shared_bytes(problem: AttentionProblem) -> int:
+    """The forward's dynamic shared memory for ``problem`` (the kernel table's form)."""
+    return forward_shared_bytes(bucket(problem))
+
+
+def backward_problem_shared_bytes(problem: AttentionProblem) -> int:
+    """The most dynamic shared memory one backward block of ``problem`` asks for."""
+    return max(kv_shared_bytes(bucket(problem)), q_shared_bytes(bucket(problem)))
+
+
+def _flag(problem: AttentionProblem) -> str:
+    return "true" if problem.dropout_p > 0 else "false"
+
+
+def forward_instances(problem: AttentionProblem) -> tuple[str, ...]:
+    """The kernel instance that runs ``problem``'s forward."""
+    return (f"fastattn_gpu::fp32_forward<{bucket(problem)}, {_flag(problem)}>",)
+
+
+def backward_instances(problem: AttentionProblem) -> tuple[str, ...]:
+    """The kernel instances that run ``problem``'s backward, in launch order."""
+    dmax, flag = bucket(problem), _flag(problem)
+    return (
+        "fastattn_gpu::fp32_delta",
+        f"fastattn_gpu::fp32_backward_kv<{dmax}, {flag}>",
+        f"fastattn_gpu::fp32_backward_q<{dmax}, {flag}>",
+    )
+
+
+def all_forward_instances() -> tuple[str, ...]:
+    """Every instance :func:`forward_instances` can name (CI's nvcc compiles each)."""
+    return tuple(f"fastattn_gpu::fp32_forward<{dmax}, {flag}>" for dmax in BUCKETS for flag in ("false", "true"))
+
+
+def all_backward_instances() -> tuple[str, ...]:
+    """Every instance :func:`backward_instances` can name (CI's nvcc compiles each)."""
+    return ("fastattn_gpu::fp32_delta",) + tuple(
+        f"fastattn_gpu::fp32_backward_{part}<{dmax}, {flag}>"
+        for part in ("kv", "q")
+        for dmax in BUCKETS
+        for flag in ("false", "true")
+    )
 
 
 def forward(problem: AttentionProblem, q: Any, k: Any, v: Any, out: Any, lse: Any, extras: AttentionExtras) -> None:
@@ -87,22 +125,16 @@ def forward(problem: AttentionProblem, q: Any, k: Any, v: Any, out: Any, lse: An
     out : cupy.ndarray
         float32 ``(B, Hq, Sq, Dv)``, written.
     lse : cupy.ndarray
-        float32 ``(B, Hq, Sq)`` with a contiguous last axis, written (natural log).
+        float32 ``(B, Hq, Sq)``, written (natural log).
     """
-    dmax = bucket(problem)
-    arguments = [
-        q, k, v, out, lse,
-        *_launch.strides3(q), *_launch.strides3(k), *_launch.strides3(v), *_launch.strides3(out),
-        *_launch.strides2(lse), *_sizes(problem), np.int32(problem.group_size),
-        np.float32(problem.scale), np.float32(problem.softcap or 0.0),
-        *_launch.rule_arguments(problem, extras),
-    ]  # fmt: skip
-    shared = forward_shared_bytes(dmax)
+    record = params.from_problem(problem, extras)
+    for name, array in (("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse)):
+        params.set_operand(record, name, array)
+    shared = forward_shared_bytes(bucket(problem))
     grid = (math.ceil(problem.seq_q / 64), problem.heads_q, problem.batch)
+    (name,) = forward_instances(problem)
     with _launch.stream(problem.framework):
-        _launch.compiled(SOURCE, f"fastattn_gpu::fp32_forward<{dmax}>", shared)(
-            grid, (THREADS,), tuple(arguments), shared_mem=shared
-        )
+        _launch.compiled(SOURCE, name, shared)(grid, (THREADS,), params.argument(record), shared_mem=shared)
 
 
 def backward(
@@ -126,43 +158,30 @@ def backward(
         summed over each kv head's query group.
     """
     xp = _launch.array_module()
-
     dmax = bucket(problem)
     dq, dk, dv = (_arrays.empty_bhsd(xp, x.shape, x.dtype, problem.layout) for x in (q, k, v))
-    lse = xp.ascontiguousarray(lse)
-    delta = xp.empty((problem.batch, problem.heads_q, problem.seq_q), dtype=xp.float32)
-    rows = problem.batch * problem.heads_q * problem.seq_q
-    common = [
-        *_sizes(problem), np.int32(problem.heads_q), np.int32(problem.group_size),
-        np.float32(problem.scale), np.float32(problem.softcap or 0.0),
-        *_launch.rule_arguments(problem, extras),
-    ]  # fmt: skip
-    inputs = [*_launch.strides3(q), *_launch.strides3(k), *_launch.strides3(v), *_launch.strides3(dout)]
-    kv_arguments = [
-        q, k, v, dout, lse, delta, dk, dv, *inputs, *_launch.strides2(lse),
-        *_launch.strides3(dk), *_launch.strides3(dv), *common,
-    ]  # fmt: skip
-    q_arguments = [q, k, v, dout, lse, delta, dq, *inputs, *_launch.strides2(lse), *_launch.strides3(dq), *common]
+    record = params.from_problem(problem, extras)
+    operands = {"q": q, "k": k, "v": v, "dout": dout, "out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
+    for name, array in operands.items():
+        params.set_operand(record, name, array)
+    delta_name, kv_name, q_name = backward_instances(problem)
     kv_shared, q_shared = kv_shared_bytes(dmax), q_shared_bytes(dmax)
     with _launch.stream(problem.framework):
-        _launch.compiled(SOURCE, "fastattn_gpu::fp32_delta", 0)(
-            (math.ceil(rows / (THREADS // 32)),),
-            (THREADS,),
-            (
-                dout, out, delta, *_launch.strides3(dout), *_launch.strides3(out),
-                np.int32(problem.heads_q), np.int32(problem.seq_q), np.int32(problem.head_dim_v), np.int64(rows),
-            ),
-        )  # fmt: skip
-        _launch.compiled(SOURCE, f"fastattn_gpu::fp32_backward_kv<{dmax}>", kv_shared)(
+        delta = xp.empty((problem.batch, problem.heads_q, problem.seq_q), dtype=xp.float32)
+        params.set_pointer(record, "delta", delta)
+        argument = params.argument(record)
+        rows = problem.batch * problem.heads_q * problem.seq_q
+        _launch.compiled(SOURCE, delta_name, 0)((math.ceil(rows / (THREADS // 32)),), (THREADS,), argument)
+        _launch.compiled(SOURCE, kv_name, kv_shared)(
             (math.ceil(problem.seq_k / _keys(dmax)), problem.heads_kv, problem.batch),
             (THREADS,),
-            tuple(kv_arguments),
+            argument,
             shared_mem=kv_shared,
         )
-        _launch.compiled(SOURCE, f"fastattn_gpu::fp32_backward_q<{dmax}>", q_shared)(
+        _launch.compiled(SOURCE, q_name, q_shared)(
             (math.ceil(problem.seq_q / q_rows(dmax)), problem.heads_q, problem.batch),
             (THREADS,),
-            tuple(q_arguments),
+            argument,
             shared_mem=q_shared,
         )
     return dq, dk, dv

@@ -318,6 +318,11 @@ class Explanation:
         For every registered backend, why it declines the forward (empty list: it accepts).
     backward_reasons : dict of str to list of str
         The same for the backward pass of this call.
+    kernels : tuple of str
+        The kernels the chosen backend runs the forward on, where it names them (a backend with a
+        ``kernels(problem)`` method: the cuda backends name their template instances); else empty.
+    backward_kernels : tuple of str
+        The same for the backward.
     """
 
     problem: AttentionProblem
@@ -326,11 +331,15 @@ class Explanation:
     source: str
     reasons: dict[str, list[str]]
     backward_reasons: dict[str, list[str]]
+    kernels: tuple[str, ...] = ()
+    backward_kernels: tuple[str, ...] = ()
 
     def __str__(self) -> str:
         lines = [f"fastattn call: {self.problem.describe()}"]
         lines.append(f"forward runs on: {self.chosen or 'nothing (no backend accepts it)'} ({self.source})")
+        lines.extend(f"  kernel: {name}" for name in self.kernels)
         lines.append(f"backward runs on: {self.chosen_backward or 'nothing (no backend accepts it)'}")
+        lines.extend(f"  kernel: {name}" for name in self.backward_kernels)
         for name, reasons in self.reasons.items():
             if name != self.chosen:
                 lines.extend(_declined_lines(name, reasons, "forward"))
@@ -351,14 +360,23 @@ def explain_problem(
 ) -> Explanation:
     """Build the :class:`Explanation` for a forward problem and its backward twin."""
     _, source = requested_backend(argument)
+    chosen, chosen_backward = _chosen_name(problem, argument), _chosen_name(backward_problem, argument)
     return Explanation(
         problem,
-        _chosen_name(problem, argument),
-        _chosen_name(backward_problem, argument),
+        chosen,
+        chosen_backward,
         source,
         _all_reasons(problem),
         _all_reasons(backward_problem),
+        _kernels(chosen, problem),
+        _kernels(chosen_backward, backward_problem),
     )
+
+
+def _kernels(name: str | None, problem: AttentionProblem) -> tuple[str, ...]:
+    """The kernels backend ``name`` names for ``problem`` (its optional ``kernels`` method)."""
+    describe = getattr(_registry.backends.get(name or ""), "kernels", None)
+    return () if describe is None else tuple(describe(problem))
 
 
 def _all_reasons(problem: AttentionProblem) -> dict[str, list[str]]:

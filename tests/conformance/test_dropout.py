@@ -1,6 +1,6 @@
 """Attention dropout on every backend: the same Philox mask as the reference, forward and backward.
 
-The mask is a function of (seed, offset, b, h, i, j) (``fastattn/_cpu/philox.h``), so every backend
+The mask is a function of (seed, offset, b, h, i, j) (``fastattn/_shared/philox.h``), so every backend
 must drop exactly the elements the reference drops.  With V = identity the output row *is* the
 dropped, rescaled probability row, which makes the mask visible element by element.
 """
@@ -110,6 +110,27 @@ def test_backward_matches_finite_differences_with_a_fixed_mask(backend: str, opt
                 losses.append(float(np.sum(result * weights)))
             numeric[index] = (losses[0] - losses[1]) / (2 * step)
         np.testing.assert_allclose(grad, numeric, rtol=1e-6, atol=1e-7, err_msg=name)
+
+
+@pytest.mark.parametrize("options", [{"causal": "bottom_right"}, {"window": (6, 2), "softcap": 3.0}])
+def test_float32_backward_matches_the_reference_under_the_same_mask(backend: str, options) -> None:
+    """The finite-difference test above runs in float64, which GPU kernels decline: here float32
+    gradients (GQA, tiles of several rows and keys) against the float64 reference, same seed."""
+    rng = np.random.default_rng()
+    q = rng.standard_normal((2, 4, 37, 24)).astype(np.float32)
+    k, v = (rng.standard_normal((2, 2, 45, 24)).astype(np.float32) for _ in range(2))
+    dout = rng.standard_normal(q.shape).astype(np.float32)
+    drop = {"dropout_p": 0.3, "dropout_seed": int(rng.integers(2**63)), "dropout_offset": int(rng.integers(2**32))}
+    _skip_if_declined(backend, q, k, v, **options, **drop)
+    wide = [x.astype(np.float64) for x in (q, k, v)]
+    out, lse = fastattn.attention(*wide, backend="reference", return_lse=True, **options, **drop)
+    want = fastattn.attention_backward(dout.astype(np.float64), *wide, out, lse, backend="reference", **options, **drop)
+    got = fastattn.attention_backward(
+        dout, q, k, v, out.astype(np.float32), lse.astype(np.float32), backend=backend, **options, **drop
+    )
+    for grad, expected, name in zip(got, want, "qkv"):
+        error = np.linalg.norm(grad.astype(np.float64) - expected) / np.linalg.norm(expected)
+        assert error <= 1e-4, f"d{name}: {error:.3g} (seed {drop['dropout_seed']})"
 
 
 def test_backward_needs_the_forwards_seed(backend: str) -> None:

@@ -7,7 +7,7 @@ kernel change, from the repository root:
 
 Each bug is a text replacement in one kernel source (or a header every source includes), applied
 to the text the emulator compiles (``_launch.source_text``): the files are never modified.  A bug
-counts as caught when at least one case of ``test_kernels.py`` fails on it (a wrong result or an
+counts as caught when at least one case of ``test_kernels.py`` or ``test_dropout.py`` fails on it (a wrong result or an
 emulator error) while all pass without it.
 """
 
@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 from fastattn._gpu import _launch, emulator
 
-from . import test_kernels
+from . import test_dropout, test_kernels
 
 
 class Bug(NamedTuple):
@@ -35,8 +35,8 @@ BUGS = [
     Bug(
         "tensor-core forward: P's A fragment with its two elements swapped (a wrong lane mapping)",
         "flash_forward.cu",
-        "p[nb / 2][(nb % 2) * 2 + 0] = Pack<Elem>::two(prob[0], prob[1]);",
-        "p[nb / 2][(nb % 2) * 2 + 0] = Pack<Elem>::two(prob[1], prob[0]);",
+        "probs[nb / 2][(nb % 2) * 2 + 0] = Pack<Elem>::two(prob[0], prob[1]);",
+        "probs[nb / 2][(nb % 2) * 2 + 0] = Pack<Elem>::two(prob[1], prob[0]);",
     ),
     Bug(
         "tensor-core forward: no __syncthreads before a stage is overwritten by the next prefetch",
@@ -46,10 +46,10 @@ BUGS = [
         "    }\n    cp_async_wait<0>();\n\n    // Normalise",
     ),
     Bug(
-        "tensor-core forward: the tile is read without waiting for its cp.async group",
+        "tensor-core forward and dQ: the K/V tile is read without waiting for its cp.async group",
         "flash_forward.cu",
-        "        cp_async_commit();\n        cp_async_wait<1>();\n        __syncthreads();\n        const Elem* k_tile",
-        "        cp_async_commit();\n        __syncthreads();\n        const Elem* k_tile",
+        "        cp_async_commit();\n        cp_async_wait<1>();\n        __syncthreads();\n    }\n",
+        "        cp_async_commit();\n        __syncthreads();\n    }\n",
     ),
     Bug(
         "every kernel: the causal key range one key short (off by one)",
@@ -60,14 +60,14 @@ BUGS = [
     Bug(
         "float32 forward: query head h reads kv head h % group instead of h / group (GQA mapping)",
         "flash_fp32.cu",
-        "const int m0 = blockIdx.x * BM, h = blockIdx.y, b = blockIdx.z, kvh = h / group;\n    const int ty",
-        "const int m0 = blockIdx.x * BM, h = blockIdx.y, b = blockIdx.z, kvh = h % group;\n    const int ty",
+        "const int m0 = blockIdx.x * BM, h = blockIdx.y, b = blockIdx.z, kvh = h / p.group;\n    const int ty",
+        "const int m0 = blockIdx.x * BM, h = blockIdx.y, b = blockIdx.z, kvh = h % p.group;\n    const int ty",
     ),
     Bug(
         "decode combine: the last split left out of the denominator (a wrong split count)",
         "flash_decode.cu",
-        "for (int s = 0; s < splits; ++s) total += flush_tiny(expf(partial_lse[s * rows + row] - top));",
-        "for (int s = 0; s < splits - 1; ++s) total += flush_tiny(expf(partial_lse[s * rows + row] - top));",
+        "for (int s = 0; s < splits; ++s) total += flush_tiny(expf(p.partial_lse[s * rows + row] - top));",
+        "for (int s = 0; s < splits - 1; ++s) total += flush_tiny(expf(p.partial_lse[s * rows + row] - top));",
     ),
     Bug(
         "tensor-core backward: dS^T read before every warp has written it (no __syncthreads)",
@@ -81,17 +81,42 @@ BUGS = [
         "__syncthreads();  // the previous step is done with k_s, v_s, ds_s\n",
         "\n",
     ),
+    Bug(
+        "dropout, tensor-core forward and dQ: the words of keys 0-1 of a Philox block used for keys 2-3",
+        "flash_forward.cu",
+        "const bool high = (j & 2) != 0;",
+        "const bool high = false;",
+    ),
+    Bug(
+        "dropout, tensor-core backward: P^T enters dV without the dropout multipliers",
+        "flash_backward.cu",
+        "s[nb][e] = prob * factor;",
+        "s[nb][e] = prob;",
+    ),
+    Bug(
+        "dropout, float32 kernels and tensor-core dK/dV: query and key block swapped in the Philox counter",
+        "flash_fp32.cu",
+        "static_cast<unsigned int>(i), static_cast<unsigned int>(j) >> 2, words);\n        const unsigned int low",
+        "static_cast<unsigned int>(j) >> 2, static_cast<unsigned int>(i), words);\n        const unsigned int low",
+    ),
 ]
 
 
 def _cases() -> list[Callable[[], None]]:
-    """Every case of test_kernels.py, as a call."""
+    """Every case of test_kernels.py and test_dropout.py, as a call."""
     calls: list[Callable[[], None]] = []
     for dtype, sizes, options in test_kernels.FORWARDS:
         calls.append(lambda c=(dtype, sizes, options): test_kernels.test_forward_kernels_match_the_reference(*c))
     for dtype, sizes, options, deterministic in test_kernels.BACKWARDS:
         arguments = (dtype, sizes, options, deterministic)
         calls.append(lambda c=arguments: test_kernels.test_backward_kernels_match_the_reference(*c))
+    for dtype in test_dropout.DTYPES:
+        for options in test_dropout.OPTIONS:
+            arguments = (dtype, 70, options)
+            calls.append(lambda c=arguments: test_dropout.test_forward_mask_is_the_cpus_element_by_element(*c))
+    for dtype, deterministic, options in test_dropout.BACKWARDS:
+        arguments = (dtype, deterministic, options)
+        calls.append(lambda c=arguments: test_dropout.test_backward_matches_the_reference_under_the_same_mask(*c))
     return calls
 
 

@@ -34,8 +34,9 @@ from typing import Any
 import numpy as np
 
 HEADER_DIR = Path(__file__).parent
-#: The kernels' own headers (ptx.cuh and the rest), on the include path of every emulated build.
-KERNELS_DIR = HEADER_DIR.parent / "kernels"
+#: The kernels' own headers (ptx.cuh and the rest) and those shared with the CPU build (philox.h),
+#: on the include path of every emulated build.
+INCLUDE_DIRS = (HEADER_DIR.parent / "kernels", HEADER_DIR.parent.parent / "_shared")
 #: Flags of every emulated build (``FASTATTN_EMULATOR_SANITIZE=1`` adds AddressSanitizer).
 FLAGS = ("-std=c++17", "-O1", "-shared", "-fPIC", "-DFASTATTN_EMULATE", "-Wno-unused-function")
 _SANITIZE_FLAGS = ("-fsanitize=address", "-fno-omit-frame-pointer", "-g")
@@ -126,7 +127,10 @@ def compile_source(text: str, names: tuple[str, ...]) -> EmulatedModule:
             source.write_text(full_text)
             built = Path(work) / "kernels.so"
             result = subprocess.run(
-                [compiler_path, *flags, f"-I{HEADER_DIR}", f"-I{KERNELS_DIR}", str(source), "-o", str(built)],
+                [
+                    compiler_path, *flags, f"-I{HEADER_DIR}", *(f"-I{folder}" for folder in INCLUDE_DIRS),
+                    str(source), "-o", str(built),
+                ],  # fmt: skip
                 capture_output=True,
                 text=True,
             )

@@ -44,6 +44,7 @@
 #define __forceinline__ inline
 #define __launch_bounds__(...)
 #define __align__(n) alignas(n)
+#define __grid_constant__
 
 // ---------------------------------------------------------------------------------------------
 // Vector types and dim3

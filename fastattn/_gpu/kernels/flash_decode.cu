@@ -1,8 +1,10 @@
 // Split-KV decode attention (Sq <= 16, the KV-cache step): float16 / bfloat16 / float32 in,
 // float32 math.
 //
-// STATUS: compiled by nvcc for sm_80 and sm_90; it has NOT yet run on a GPU (issue #13 owes the
-// device tests, compute-sanitizer and the G7 benchmark).
+// STATUS: compiled by nvcc for sm_80 and sm_90 and passes the conformance suite in the SIMT emulator;
+// it has NOT yet run on a GPU (benchmarks/gpu_check.sh owes the device tests, compute-sanitizer and
+// the G7 benchmark).  No dropout: inference does not use it, and the kernel table sends decode
+// calls with dropout to the tensor-core or float32 forward.
 //
 // Algorithm.  Decode reads every K/V byte once and does little arithmetic per byte, so the kernel
 // is built to stream K/V at the memory bandwidth:
@@ -36,7 +38,7 @@
 // key_lengths (splits past the length are skipped), bool or float masks read by strides, softcap,
 // any strides with a contiguous last axis (K/V rows 16-byte aligned).  A row that sees no key writes
 // 0 and lse = -inf.
-#include "decode_common.cuh"
+#include "common.cuh"
 
 namespace fastattn_gpu {
 
@@ -91,15 +93,7 @@ template <typename Elem> __device__ __forceinline__ void unpack16(const Elem* so
 }
 
 template <typename Elem, int HEAD_DIM, int ROWS>
-__global__ void __launch_bounds__(kDecodeThreads)
-flash_decode(const Elem* __restrict__ q, const Elem* __restrict__ k, const Elem* __restrict__ v,
-             Elem* __restrict__ out, float* __restrict__ lse, float* __restrict__ partial_out,
-             float* __restrict__ partial_lse, long long q_sb, long long q_sh, long long q_ss, long long k_sb,
-             long long k_sh, long long k_ss, long long v_sb, long long v_sh, long long v_ss, long long o_sb,
-             long long o_sh, long long o_ss, long long lse_sb, long long lse_sh, int batch, int heads_q, int seq_q,
-             int seq_k, int group, int keys_per_split, float scale, float softcap, int causal, int offset,
-             int window_left, int window_right, const void* __restrict__ mask, int mask_kind, long long m_sb,
-             long long m_sh, long long m_sq, long long m_sk, const long long* __restrict__ key_lengths) {
+__global__ void __launch_bounds__(kDecodeThreads) flash_decode(const __grid_constant__ Params p) {
     using Shape = DecodeShape<Elem, HEAD_DIM>;
     constexpr int kBlockN = Shape::kBlockN, kRow = Shape::kRow, kVec = Shape::kVec;
     constexpr int kRowsPerThread = ROWS / Shape::kRowSets;
@@ -116,31 +110,30 @@ flash_decode(const Elem* __restrict__ q, const Elem* __restrict__ k, const Elem*
     Elem* v_tiles = k_tiles + 2 * kBlockN * kRow;                    // [2][kBlockN][kRow]
     float* reduce_s = reinterpret_cast<float*>(k_tiles);             // after the loop: [KG][ROWS][HEAD_DIM]
 
-    const int split = blockIdx.x, b = blockIdx.z;
+    const int split = blockIdx.x, b = blockIdx.z, group = p.group, seq_q = p.seq_q;
     const int chunks = (group * seq_q + ROWS - 1) / ROWS;
     const int kvh = blockIdx.y / chunks, row0 = (blockIdx.y % chunks) * ROWS;
     const int packed_rows = min(ROWS, group * seq_q - row0);
-    const Visibility rules{causal, offset, window_left, window_right, mask, mask_kind, m_sb, m_sh, m_sq, m_sk,
-                           key_lengths};
 
     int lo, hi;
-    rules.key_range(b, seq_k, 0, seq_q - 1, &lo, &hi);
-    lo = max(lo, split * keys_per_split);
-    hi = min(hi, (split + 1) * keys_per_split);
+    p.rules.key_range(b, p.seq_k, 0, seq_q - 1, &lo, &hi);
+    lo = max(lo, split * p.keys_per_split);
+    hi = min(hi, (split + 1) * p.keys_per_split);
 
-    const Elem* k_base = k + b * k_sb + kvh * k_sh;
-    const Elem* v_base = v + b * v_sb + kvh * v_sh;
+    const Elem* k_base = p.k.row<const Elem>(b, kvh, 0);
+    const Elem* v_base = p.v.row<const Elem>(b, kvh, 0);
+    const long long k_ss = p.k.ss, v_ss = p.v.ss;
     if (lo < hi) {
         decode_load_tile<Elem, HEAD_DIM>(k_tiles, k_base, k_ss, lo, hi);
         decode_load_tile<Elem, HEAD_DIM>(v_tiles, v_base, v_ss, lo, hi);
     }
     cp_async_commit();
     for (int index = threadIdx.x; index < ROWS * HEAD_DIM; index += kDecodeThreads) {
-        const int r = index / HEAD_DIM, d = index % HEAD_DIM, p = row0 + r;
+        const int r = index / HEAD_DIM, d = index % HEAD_DIM, packed = row0 + r;
         float value = 0.f;
         if (r < packed_rows) {
-            const int h = kvh * group + p / seq_q, i = p % seq_q;
-            value = Convert<Elem>::to_float(q[b * q_sb + h * q_sh + i * q_ss + d]);
+            const int h = kvh * group + packed / seq_q, i = packed % seq_q;
+            value = Convert<Elem>::to_float(p.q.row<const Elem>(b, h, i)[d]);
         }
         q_s[index] = value;
     }
@@ -190,11 +183,11 @@ flash_decode(const Elem* __restrict__ q, const Elem* __restrict__ k, const Elem*
             }
 #pragma unroll
             for (int r = 0; r < kRowsPerThread; ++r) {
-                const int local = row_set * kRowsPerThread + r, p = row0 + local, j = kt + key;
+                const int local = row_set * kRowsPerThread + r, packed = row0 + local, j = kt + key;
                 float score = negative_infinity();
                 if (local < packed_rows && j < hi) {
-                    const int h = kvh * group + p / seq_q, i = p % seq_q;
-                    score = rules.apply(soft_cap(dot[r] * scale, softcap), b, h, i, j) * 1.4426950408889634f;
+                    const int h = kvh * group + packed / seq_q, i = packed % seq_q;
+                    score = p.rules.apply(soft_cap(dot[r] * p.scale, p.softcap), b, h, i, j) * kLog2e;
                 }
                 p_s[local * kBlockN + key] = score;
             }
@@ -267,22 +260,21 @@ flash_decode(const Elem* __restrict__ q, const Elem* __restrict__ k, const Elem*
     // Sum the key groups in order, normalise, write out + lse (one split) or the partials.
     const int splits = gridDim.x;
     for (int index = threadIdx.x; index < packed_rows * HEAD_DIM; index += kDecodeThreads) {
-        const int r = index / HEAD_DIM, d = index % HEAD_DIM, p = row0 + r;
-        const int h = kvh * group + p / seq_q, i = p % seq_q;
+        const int r = index / HEAD_DIM, d = index % HEAD_DIM, packed = row0 + r;
+        const int h = kvh * group + packed / seq_q, i = packed % seq_q;
         float total = 0.f;
 #pragma unroll 4
         for (int g = 0; g < Shape::kKeyGroups; ++g) total += reduce_s[(g * ROWS + r) * HEAD_DIM + d];
         const float sum = stat_s[ROWS + r];
         const float value = sum > 0.f ? total / sum : 0.f;
-        const float row_lse = sum > 0.f ? (stat_s[r] + log2f(sum)) * 0.6931471805599453f : negative_infinity();
+        const float row_lse = sum > 0.f ? (stat_s[r] + log2f(sum)) * kLn2 : negative_infinity();
         if (splits == 1) {
-            out[b * o_sb + h * o_sh + i * o_ss + d] = Convert<Elem>::from_float(value);
-            if (d == 0) lse[b * lse_sb + h * lse_sh + i] = row_lse;
+            p.out.row<Elem>(b, h, i)[d] = Convert<Elem>::from_float(value);
+            if (d == 0) *p.lse.row<float>(b, h, i) = row_lse;
         } else {
-            const long long row = (static_cast<long long>(split) * batch + b) * heads_q * seq_q +
-                                  static_cast<long long>(h) * seq_q + i;
-            if (sum > 0.f) partial_out[row * HEAD_DIM + d] = value;
-            if (d == 0) partial_lse[row] = row_lse;
+            const long long row = split * p.rows + (static_cast<long long>(b) * p.heads_q + h) * seq_q + i;
+            if (sum > 0.f) p.partial_out[row * HEAD_DIM + d] = value;
+            if (d == 0) p.partial_lse[row] = row_lse;
         }
     }
 }
@@ -291,50 +283,32 @@ flash_decode(const Elem* __restrict__ q, const Elem* __restrict__ k, const Elem*
 // lse = M + log(sum_s exp(lse_s - M)), M = max_s lse_s; splits with lse_s = -inf are skipped
 // (their partial output is never written), and a row with no split seeing a key gets 0 and -inf.
 template <typename Elem>
-__global__ void __launch_bounds__(kDecodeThreads)
-decode_combine(const float* __restrict__ partial_out, const float* __restrict__ partial_lse, Elem* __restrict__ out,
-               float* __restrict__ lse, long long o_sb, long long o_sh, long long o_ss, long long lse_sb,
-               long long lse_sh, int heads_q, int seq_q, int head_dim, int splits, long long rows) {
-    const long long row = blockIdx.x;
-    const int i = static_cast<int>(row % seq_q), h = static_cast<int>((row / seq_q) % heads_q);
-    const int b = static_cast<int>(row / (static_cast<long long>(seq_q) * heads_q));
+__global__ void __launch_bounds__(kDecodeThreads) decode_combine(const __grid_constant__ Params p) {
+    const long long row = blockIdx.x, rows = p.rows;
+    const int i = static_cast<int>(row % p.seq_q), h = static_cast<int>((row / p.seq_q) % p.heads_q);
+    const int b = static_cast<int>(row / (static_cast<long long>(p.seq_q) * p.heads_q));
+    const int splits = p.keys_per_split > 0 ? (p.seq_k + p.keys_per_split - 1) / p.keys_per_split : 1;
     float top = negative_infinity();
-    for (int s = 0; s < splits; ++s) top = fmaxf(top, partial_lse[s * rows + row]);
-    Elem* dst = out + b * o_sb + h * o_sh + i * o_ss;
+    for (int s = 0; s < splits; ++s) top = fmaxf(top, p.partial_lse[s * rows + row]);
+    Elem* dst = p.out.row<Elem>(b, h, i);
     if (top == negative_infinity()) {
-        for (int d = threadIdx.x; d < head_dim; d += kDecodeThreads) dst[d] = Convert<Elem>::from_float(0.f);
-        if (threadIdx.x == 0) lse[b * lse_sb + h * lse_sh + i] = negative_infinity();
+        for (int d = threadIdx.x; d < p.head_dim; d += kDecodeThreads) dst[d] = Convert<Elem>::from_float(0.f);
+        if (threadIdx.x == 0) *p.lse.row<float>(b, h, i) = negative_infinity();
         return;
     }
     float total = 0.f;
-    for (int s = 0; s < splits; ++s) total += flush_tiny(expf(partial_lse[s * rows + row] - top));
-    for (int d = threadIdx.x; d < head_dim; d += kDecodeThreads) {
+    for (int s = 0; s < splits; ++s) total += flush_tiny(expf(p.partial_lse[s * rows + row] - top));
+    for (int d = threadIdx.x; d < p.head_dim; d += kDecodeThreads) {
         float value = 0.f;
         for (int s = 0; s < splits; ++s) {
-            const float part_lse = partial_lse[s * rows + row];
+            const float part_lse = p.partial_lse[s * rows + row];
             if (part_lse != negative_infinity())
-                value = weighted_add(flush_tiny(expf(part_lse - top)), partial_out[(s * rows + row) * head_dim + d], value);
+                value = weighted_add(flush_tiny(expf(part_lse - top)), p.partial_out[(s * rows + row) * p.head_dim + d],
+                                     value);
         }
         dst[d] = Convert<Elem>::from_float(value / total);
     }
-    if (threadIdx.x == 0) lse[b * lse_sb + h * lse_sh + i] = top + logf(total);
+    if (threadIdx.x == 0) *p.lse.row<float>(b, h, i) = top + logf(total);
 }
 
 }  // namespace fastattn_gpu
-
-#ifdef FASTATTN_INSTANTIATE
-// nvcc compile check (CI): instantiate every configuration the launcher can request.
-#define FASTATTN_DECODE(ELEM, D, R) template __global__ void fastattn_gpu::flash_decode<ELEM, D, R>( \
-    const ELEM*, const ELEM*, const ELEM*, ELEM*, float*, float*, float*, long long, long long, long long, \
-    long long, long long, long long, long long, long long, long long, long long, long long, long long, long long, \
-    long long, int, int, int, int, int, int, float, float, int, int, int, int, const void*, int, long long, \
-    long long, long long, long long, const long long*);
-#define FASTATTN_DECODE_ROWS(ELEM, D) FASTATTN_DECODE(ELEM, D, 4) FASTATTN_DECODE(ELEM, D, 8)
-#define FASTATTN_DECODE_DIMS(ELEM) FASTATTN_DECODE_ROWS(ELEM, 32) FASTATTN_DECODE_ROWS(ELEM, 64) \
-    FASTATTN_DECODE_ROWS(ELEM, 128) FASTATTN_DECODE_ROWS(ELEM, 256)
-#define FASTATTN_COMBINE(ELEM) template __global__ void fastattn_gpu::decode_combine<ELEM>( \
-    const float*, const float*, ELEM*, float*, long long, long long, long long, long long, long long, int, int, \
-    int, int, long long);
-FASTATTN_DECODE_DIMS(__half) FASTATTN_DECODE_DIMS(__nv_bfloat16) FASTATTN_DECODE_DIMS(float)
-FASTATTN_COMBINE(__half) FASTATTN_COMBINE(__nv_bfloat16) FASTATTN_COMBINE(float)
-#endif

@@ -1,7 +1,8 @@
 // Exact float32 flash attention, forward and backward, on the CUDA cores (SIMT, no TF32).
 //
-// STATUS: compiled by nvcc for sm_80 and sm_90; it has NOT yet run on a GPU (issue #13 owes the
-// device tests, compute-sanitizer and the fp32 G1-G6 benchmark).
+// STATUS: compiled by nvcc for sm_80 and sm_90 and passes the conformance suite in the SIMT emulator;
+// it has NOT yet run on a GPU (benchmarks/gpu_check.sh owes the device tests, compute-sanitizer and
+// the fp32 G1-G6 benchmark).
 //
 // Every product is a float32 FMA and exp/log/tanh are the accurate expf/logf/tanhf, so results
 // match float64 to float32 rounding (the contract's 1e-5).  One head-dimension bucket DMAX in
@@ -28,7 +29,10 @@
 // (3) `fp32_backward_q`: one block per (query rows, query head, batch row) looping over 32-key
 // tiles, recomputing P and dS, dQ += dS K.  dQ by a second pass instead of float32 atomics:
 // deterministic at the cost of recomputing S and dP (the choice the CPU backend made too).
-#include "decode_common.cuh"
+// Dropout (the DROPOUT instances): the forward's P V takes P Z, Z = 0 or 1 / (1 - p) from the Philox
+// counters of (b, h, i, j) while the row sum takes P; the backward regenerates Z: dV += (P Z)^T dO,
+// dS = P (dP Z - delta) [softcap'] scale.
+#include "common.cuh"
 
 namespace fastattn_gpu {
 
@@ -98,19 +102,8 @@ template <int DMAX> struct Fp32Shape {
     static constexpr int kQN = 32;                      // keys per backward_q step
 };
 
-#define FASTATTN_RULE_PARAMS                                                                                    \
-    int causal, int offset, int window_left, int window_right, const void *__restrict__ mask, int mask_kind,   \
-        long long m_sb, long long m_sh, long long m_sq, long long m_sk, const long long *__restrict__ key_lengths
-#define FASTATTN_RULES \
-    Visibility { causal, offset, window_left, window_right, mask, mask_kind, m_sb, m_sh, m_sq, m_sk, key_lengths }
-
-template <int DMAX>
-__global__ void __launch_bounds__(kFp32Threads)
-fp32_forward(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
-             float* __restrict__ out, float* __restrict__ lse, long long q_sb, long long q_sh, long long q_ss,
-             long long k_sb, long long k_sh, long long k_ss, long long v_sb, long long v_sh, long long v_ss,
-             long long o_sb, long long o_sh, long long o_ss, long long lse_sb, long long lse_sh, int seq_q, int seq_k,
-             int head_dim, int head_dim_v, int group, float scale, float softcap, FASTATTN_RULE_PARAMS) {
+template <int DMAX, bool DROPOUT>
+__global__ void __launch_bounds__(kFp32Threads) fp32_forward(const __grid_constant__ Params p) {
     using Shape = Fp32Shape<DMAX>;
     constexpr int BM = Shape::kForwardM, BN = Shape::kForwardN, S = Shape::kStride;
     constexpr int TM = BM / 16, TN = BN / 16, TD = DMAX / 16;
@@ -120,14 +113,11 @@ fp32_forward(const float* __restrict__ q, const float* __restrict__ k, const flo
     float* v_s = k_s + BN * S;       // [BN][S]
     float* p_s = v_s + BN * S;       // [BM][BN + 1]
 
-    const int m0 = blockIdx.x * BM, h = blockIdx.y, b = blockIdx.z, kvh = h / group;
+    const int m0 = blockIdx.x * BM, h = blockIdx.y, b = blockIdx.z, kvh = h / p.group;
     const int ty = threadIdx.x / 16, tx = threadIdx.x % 16;
-    const Visibility rules = FASTATTN_RULES;
     int lo, hi;
-    rules.key_range(b, seq_k, m0, min(m0 + BM, seq_q) - 1, &lo, &hi);
-    const float* k_base = k + b * k_sb + kvh * k_sh;
-    const float* v_base = v + b * v_sb + kvh * v_sh;
-    load_rows(q_s, S, q + b * q_sb + h * q_sh, q_ss, m0, BM, seq_q, head_dim, DMAX);
+    p.rules.key_range(b, p.seq_k, m0, min(m0 + BM, p.seq_q) - 1, &lo, &hi);
+    load_rows(q_s, S, p.q.row<const float>(b, h, 0), p.q.ss, m0, BM, p.seq_q, p.head_dim, DMAX);
 
     float row_max[TM], row_sum[TM], acc[TM][TD];
 #pragma unroll
@@ -136,12 +126,12 @@ fp32_forward(const float* __restrict__ q, const float* __restrict__ k, const flo
 
     for (int kt = lo; kt < hi; kt += BN) {
         __syncthreads();  // the previous tile's P V is done with k_s, v_s and p_s
-        load_rows(k_s, S, k_base, k_ss, kt, BN, hi, head_dim, DMAX);
-        load_rows(v_s, S, v_base, v_ss, kt, BN, hi, head_dim_v, DMAX);
+        load_rows(k_s, S, p.k.row<const float>(b, kvh, 0), p.k.ss, kt, BN, hi, p.head_dim, DMAX);
+        load_rows(v_s, S, p.v.row<const float>(b, kvh, 0), p.v.ss, kt, BN, hi, p.head_dim_v, DMAX);
         __syncthreads();
         float s[TM][TN];
         tile_zero(s);
-        tile_mac<false>(s, q_s, S, 1, k_s, 1, S, head_dim);
+        tile_mac<false>(s, q_s, S, 1, k_s, 1, S, p.head_dim);
 #pragma unroll
         for (int i = 0; i < TM; ++i) {
             const int row = m0 + ty + 16 * i;
@@ -149,8 +139,9 @@ fp32_forward(const float* __restrict__ q, const float* __restrict__ k, const flo
 #pragma unroll
             for (int j = 0; j < TN; ++j) {
                 const int key = kt + tx + 16 * j;
-                s[i][j] = row < seq_q && key < hi ? rules.apply(soft_cap(s[i][j] * scale, softcap), b, h, row, key)
-                                                  : negative_infinity();
+                s[i][j] = row < p.seq_q && key < hi
+                              ? p.rules.apply(soft_cap(s[i][j] * p.scale, p.softcap), b, h, row, key)
+                              : negative_infinity();
                 tile_max = fmaxf(tile_max, s[i][j]);
             }
             const float new_max = fmaxf(row_max[i], row_max16(tile_max));
@@ -160,7 +151,8 @@ fp32_forward(const float* __restrict__ q, const float* __restrict__ k, const flo
 #pragma unroll
             for (int j = 0; j < TN; ++j) {
                 const float prob = flush_tiny(expf(s[i][j] - shift));
-                p_s[(ty + 16 * i) * (BN + 1) + tx + 16 * j] = prob;
+                const float factor = DROPOUT ? p.dropout.factor(b, p.heads_q, h, row, kt + tx + 16 * j) : 1.f;
+                p_s[(ty + 16 * i) * (BN + 1) + tx + 16 * j] = prob * factor;
                 tile_sum += prob;
             }
             row_max[i] = new_max;
@@ -175,118 +167,118 @@ fp32_forward(const float* __restrict__ q, const float* __restrict__ k, const flo
 #pragma unroll
     for (int i = 0; i < TM; ++i) {
         const int row = m0 + ty + 16 * i;
-        if (row >= seq_q) continue;
+        if (row >= p.seq_q) continue;
         const float inverse = row_sum[i] > 0.f ? 1.f / row_sum[i] : 0.f;
-        float* dst = out + b * o_sb + h * o_sh + row * o_ss;
+        float* dst = p.out.row<float>(b, h, row);
 #pragma unroll
         for (int d = 0; d < TD; ++d)
-            if (tx + 16 * d < head_dim_v) dst[tx + 16 * d] = acc[i][d] * inverse;
-        if (tx == 0)
-            lse[b * lse_sb + h * lse_sh + row] = row_sum[i] > 0.f ? row_max[i] + logf(row_sum[i]) : negative_infinity();
+            if (tx + 16 * d < p.head_dim_v) dst[tx + 16 * d] = acc[i][d] * inverse;
+        if (tx == 0) *p.lse.row<float>(b, h, row) = row_sum[i] > 0.f ? row_max[i] + logf(row_sum[i]) : negative_infinity();
     }
 }
 
 // delta[b, h, i] = sum_d dO[b, h, i, d] * O[b, h, i, d]; one warp per row, delta contiguous (B, Hq, Sq).
-__global__ void __launch_bounds__(kFp32Threads)
-fp32_delta(const float* __restrict__ dout, const float* __restrict__ out, float* __restrict__ delta, long long do_sb,
-           long long do_sh, long long do_ss, long long o_sb, long long o_sh, long long o_ss, int heads_q, int seq_q,
-           int head_dim_v, long long rows) {
+__global__ void __launch_bounds__(kFp32Threads) fp32_delta(const __grid_constant__ Params p) {
     const long long row = static_cast<long long>(blockIdx.x) * (kFp32Threads / 32) + threadIdx.x / 32;
-    if (row >= rows) return;
+    if (row >= p.rows) return;
     const int lane = threadIdx.x % 32;
-    const long long i = row % seq_q, h = (row / seq_q) % heads_q, b = row / (static_cast<long long>(seq_q) * heads_q);
-    const float* dout_row = dout + b * do_sb + h * do_sh + i * do_ss;
-    const float* out_row = out + b * o_sb + h * o_sh + i * o_ss;
+    const long long i = row % p.seq_q, h = (row / p.seq_q) % p.heads_q;
+    const long long b = row / (static_cast<long long>(p.seq_q) * p.heads_q);
+    const float* dout_row = p.dout.row<const float>(b, h, i);
+    const float* out_row = p.out.row<const float>(b, h, i);
     float sum = 0.f;
-    for (int d = lane; d < head_dim_v; d += 32) sum = fmaf(dout_row[d], out_row[d], sum);
+    for (int d = lane; d < p.head_dim_v; d += 32) sum = fmaf(dout_row[d], out_row[d], sum);
 #pragma unroll
     for (int step = 16; step > 0; step /= 2) sum += __shfl_xor_sync(0xffffffff, sum, step);
-    if (lane == 0) delta[row] = sum;
+    if (lane == 0) p.delta[row] = sum;
 }
 
-// P and dS of one (query, key) pair from the raw score s = q.k, dp = dO.v, the row's lse and delta.
+// Shared memory of both backward kernels, in order: K and V tiles of `keys` rows, Q and dO tiles
+// of `rows` rows (row stride `stride`), `grads` floats of score tiles (P^T and dS^T, or dS), then
+// lse and delta of the `rows` query rows.
+struct BackwardTiles {
+    float *k, *v, *q, *dout, *grads, *lse, *delta;
+
+    __device__ __forceinline__ BackwardTiles(float* base, int keys, int rows, int stride, int grads_floats)
+        : k(base), v(k + keys * stride), q(v + keys * stride), dout(q + rows * stride), grads(dout + rows * stride),
+          lse(grads + grads_floats), delta(lse + rows) {}
+
+    // lse and delta of query rows [m0, m0 + count) of head h (-inf and 0 past seq_q).
+    __device__ __forceinline__ void load_row_stats(const Params& p, int b, int h, int m0, int count) const {
+        for (int r = threadIdx.x; r < count; r += kFp32Threads) {
+            const bool inside = m0 + r < p.seq_q;
+            lse[r] = inside ? *p.lse.row<const float>(b, h, m0 + r) : negative_infinity();
+            delta[r] = inside ? p.delta[(static_cast<long long>(b) * p.heads_q + h) * p.seq_q + m0 + r] : 0.f;
+        }
+    }
+};
+
+// P Z and dS of one (query, key) pair from the raw score s = q.k, dp = dO.v, the row's lse and
+// delta (Z = the dropout multiplier, 1 without dropout).
 struct Gradient {
     float p, ds;
 };
-__device__ __forceinline__ Gradient score_gradient(const Visibility& rules, float raw, float dp, float row_lse,
-                                                   float row_delta, float scale, float softcap, bool inside, int b,
-                                                   int h, int row, int key) {
+template <bool DROPOUT>
+__device__ __forceinline__ Gradient score_gradient(const Params& p, float raw, float dp, float row_lse,
+                                                   float row_delta, bool inside, int b, int h, int row, int key) {
     if (!inside || row_lse == negative_infinity()) return {0.f, 0.f};
-    const float capped = soft_cap(raw * scale, softcap);
-    const float score = rules.apply(capped, b, h, row, key);
+    const float score = p.rules.apply(soft_cap(raw * p.scale, p.softcap), b, h, row, key);
     if (score == negative_infinity()) return {0.f, 0.f};
-    const float p = flush_tiny(expf(score - row_lse));
-    if (p == 0.f) return {0.f, 0.f};
-    return {p, p * (dp - row_delta) * soft_cap_slope(raw * scale, softcap) * scale};
+    const float prob = flush_tiny(expf(score - row_lse));
+    const float factor = DROPOUT ? p.dropout.factor(b, p.heads_q, h, row, key) : 1.f;
+    return {prob * factor, score_grad(prob, dp, row_delta, factor, soft_cap_slope(raw * p.scale, p.softcap), p.scale)};
 }
 
-template <int DMAX>
-__global__ void __launch_bounds__(kFp32Threads)
-fp32_backward_kv(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
-                 const float* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
-                 float* __restrict__ dk, float* __restrict__ dv, long long q_sb, long long q_sh, long long q_ss,
-                 long long k_sb, long long k_sh, long long k_ss, long long v_sb, long long v_sh, long long v_ss,
-                 long long do_sb, long long do_sh, long long do_ss, long long lse_sb, long long lse_sh,
-                 long long dk_sb, long long dk_sh, long long dk_ss, long long dv_sb, long long dv_sh, long long dv_ss,
-                 int seq_q, int seq_k, int head_dim, int head_dim_v, int heads_q, int group, float scale,
-                 float softcap, FASTATTN_RULE_PARAMS) {
+template <int DMAX, bool DROPOUT>
+__global__ void __launch_bounds__(kFp32Threads) fp32_backward_kv(const __grid_constant__ Params p) {
     using Shape = Fp32Shape<DMAX>;
     constexpr int BN = Shape::kKvN, BM = Shape::kKvM, S = Shape::kStride, SP = BM + 1;
     constexpr int TN = BN / 16, TM = BM / 16, TD = DMAX / 16;
     extern __shared__ float fp32_shared[];
-    float* k_s = fp32_shared;       // [BN][S]
-    float* v_s = k_s + BN * S;      // [BN][S]
-    float* q_s = v_s + BN * S;      // [BM][S]
-    float* do_s = q_s + BM * S;     // [BM][S]
-    float* p_s = do_s + BM * S;     // [BN][SP]  P^T
+    const BackwardTiles tiles(fp32_shared, BN, BM, S, 2 * BN * SP);
+    float *k_s = tiles.k, *v_s = tiles.v, *q_s = tiles.q, *do_s = tiles.dout, *lse_s = tiles.lse, *delta_s = tiles.delta;
+    float* p_s = tiles.grads;       // [BN][SP]  P^T
     float* ds_s = p_s + BN * SP;    // [BN][SP]  dS^T
-    float* lse_s = ds_s + BN * SP;  // [BM]
-    float* delta_s = lse_s + BM;    // [BM]
 
     const int n0 = blockIdx.x * BN, kvh = blockIdx.y, b = blockIdx.z;
     const int ty = threadIdx.x / 16, tx = threadIdx.x % 16;
-    const Visibility rules = FASTATTN_RULES;
-    const int key_limit = key_lengths ? static_cast<int>(min(key_lengths[b], static_cast<long long>(seq_k))) : seq_k;
-    load_rows(k_s, S, k + b * k_sb + kvh * k_sh, k_ss, n0, BN, key_limit, head_dim, DMAX);
-    load_rows(v_s, S, v + b * v_sb + kvh * v_sh, v_ss, n0, BN, key_limit, head_dim_v, DMAX);
+    const int key_limit = p.rules.key_end(b, p.seq_k);
+    load_rows(k_s, S, p.k.row<const float>(b, kvh, 0), p.k.ss, n0, BN, key_limit, p.head_dim, DMAX);
+    load_rows(v_s, S, p.v.row<const float>(b, kvh, 0), p.v.ss, n0, BN, key_limit, p.head_dim_v, DMAX);
 
     float dk_acc[TN][TD], dv_acc[TN][TD];
     tile_zero(dk_acc);
     tile_zero(dv_acc);
-    for (int g = 0; g < group; ++g) {
-        const int h = kvh * group + g;
-        for (int m0 = 0; m0 < seq_q; m0 += BM) {
+    for (int g = 0; g < p.group; ++g) {
+        const int h = kvh * p.group + g;
+        for (int m0 = 0; m0 < p.seq_q; m0 += BM) {
             int lo, hi;
-            rules.key_range(b, seq_k, m0, min(m0 + BM, seq_q) - 1, &lo, &hi);
+            p.rules.key_range(b, p.seq_k, m0, min(m0 + BM, p.seq_q) - 1, &lo, &hi);
             if (max(lo, n0) >= min(hi, n0 + BN)) continue;  // no row of this block sees these keys
             __syncthreads();  // the previous step is done with q_s, do_s, p_s, ds_s
-            load_rows(q_s, S, q + b * q_sb + h * q_sh, q_ss, m0, BM, seq_q, head_dim, DMAX);
-            load_rows(do_s, S, dout + b * do_sb + h * do_sh, do_ss, m0, BM, seq_q, head_dim_v, DMAX);
-            for (int r = threadIdx.x; r < BM; r += kFp32Threads) {
-                const bool inside = m0 + r < seq_q;
-                lse_s[r] = inside ? lse[b * lse_sb + h * lse_sh + m0 + r] : negative_infinity();
-                delta_s[r] = inside ? delta[(static_cast<long long>(b) * heads_q + h) * seq_q + m0 + r] : 0.f;
-            }
+            load_rows(q_s, S, p.q.row<const float>(b, h, 0), p.q.ss, m0, BM, p.seq_q, p.head_dim, DMAX);
+            load_rows(do_s, S, p.dout.row<const float>(b, h, 0), p.dout.ss, m0, BM, p.seq_q, p.head_dim_v, DMAX);
+            tiles.load_row_stats(p, b, h, m0, BM);
             __syncthreads();
             float s[TN][TM], dp[TN][TM];
             tile_zero(s);
             tile_zero(dp);
-            tile_mac<false>(s, k_s, S, 1, q_s, 1, S, head_dim);      // S^T[n][m] = K[n] . Q[m]
-            tile_mac<false>(dp, v_s, S, 1, do_s, 1, S, head_dim_v);  // dP^T[n][m] = V[n] . dO[m]
+            tile_mac<false>(s, k_s, S, 1, q_s, 1, S, p.head_dim);      // S^T[n][m] = K[n] . Q[m]
+            tile_mac<false>(dp, v_s, S, 1, do_s, 1, S, p.head_dim_v);  // dP^T[n][m] = V[n] . dO[m]
 #pragma unroll
             for (int i = 0; i < TN; ++i) {
                 const int key = n0 + ty + 16 * i;
 #pragma unroll
                 for (int j = 0; j < TM; ++j) {
                     const int local = tx + 16 * j, row = m0 + local;
-                    const Gradient grad = score_gradient(rules, s[i][j], dp[i][j], lse_s[local], delta_s[local], scale,
-                                                         softcap, row < seq_q && key < key_limit, b, h, row, key);
+                    const Gradient grad = score_gradient<DROPOUT>(p, s[i][j], dp[i][j], lse_s[local], delta_s[local],
+                                                                  row < p.seq_q && key < key_limit, b, h, row, key);
                     p_s[(ty + 16 * i) * SP + local] = grad.p;
                     ds_s[(ty + 16 * i) * SP + local] = grad.ds;
                 }
             }
             __syncthreads();
-            tile_mac<true>(dv_acc, p_s, SP, 1, do_s, S, 1, BM);   // dV[n] += sum_m P^T[n][m] dO[m]
+            tile_mac<true>(dv_acc, p_s, SP, 1, do_s, S, 1, BM);   // dV[n] += sum_m (P Z)^T[n][m] dO[m]
             tile_mac<true>(dk_acc, ds_s, SP, 1, q_s, S, 1, BM);   // dK[n] += sum_m dS^T[n][m] Q[m]
         }
     }
@@ -294,73 +286,56 @@ fp32_backward_kv(const float* __restrict__ q, const float* __restrict__ k, const
 #pragma unroll
     for (int i = 0; i < TN; ++i) {
         const int key = n0 + ty + 16 * i;
-        if (key >= seq_k) continue;
-        float* dk_row = dk + b * dk_sb + kvh * dk_sh + key * dk_ss;
-        float* dv_row = dv + b * dv_sb + kvh * dv_sh + key * dv_ss;
+        if (key >= p.seq_k) continue;
+        float* dk_row = p.dk.row<float>(b, kvh, key);
+        float* dv_row = p.dv.row<float>(b, kvh, key);
 #pragma unroll
         for (int d = 0; d < TD; ++d) {
-            if (tx + 16 * d < head_dim) dk_row[tx + 16 * d] = dk_acc[i][d];
-            if (tx + 16 * d < head_dim_v) dv_row[tx + 16 * d] = dv_acc[i][d];
+            if (tx + 16 * d < p.head_dim) dk_row[tx + 16 * d] = dk_acc[i][d];
+            if (tx + 16 * d < p.head_dim_v) dv_row[tx + 16 * d] = dv_acc[i][d];
         }
     }
 }
 
-template <int DMAX>
-__global__ void __launch_bounds__(kFp32Threads)
-fp32_backward_q(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
-                const float* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
-                float* __restrict__ dq, long long q_sb, long long q_sh, long long q_ss, long long k_sb, long long k_sh,
-                long long k_ss, long long v_sb, long long v_sh, long long v_ss, long long do_sb, long long do_sh,
-                long long do_ss, long long lse_sb, long long lse_sh, long long dq_sb, long long dq_sh,
-                long long dq_ss, int seq_q, int seq_k, int head_dim, int head_dim_v, int heads_q, int group,
-                float scale, float softcap, FASTATTN_RULE_PARAMS) {
+template <int DMAX, bool DROPOUT>
+__global__ void __launch_bounds__(kFp32Threads) fp32_backward_q(const __grid_constant__ Params p) {
     using Shape = Fp32Shape<DMAX>;
     constexpr int BM = Shape::kQM, BN = Shape::kQN, S = Shape::kStride, SD = BN + 1;
     constexpr int TM = BM / 16, TN = BN / 16, TD = DMAX / 16;
     extern __shared__ float fp32_shared[];
-    float* q_s = fp32_shared;       // [BM][S]
-    float* do_s = q_s + BM * S;     // [BM][S]
-    float* k_s = do_s + BM * S;     // [BN][S]
-    float* v_s = k_s + BN * S;      // [BN][S]
-    float* ds_s = v_s + BN * S;     // [BM][SD]
-    float* lse_s = ds_s + BM * SD;  // [BM]
-    float* delta_s = lse_s + BM;    // [BM]
+    const BackwardTiles tiles(fp32_shared, BN, BM, S, BM * SD);
+    float *k_s = tiles.k, *v_s = tiles.v, *q_s = tiles.q, *do_s = tiles.dout, *lse_s = tiles.lse, *delta_s = tiles.delta;
+    float* ds_s = tiles.grads;      // [BM][SD]
 
-    const int m0 = blockIdx.x * BM, h = blockIdx.y, b = blockIdx.z, kvh = h / group;
+    const int m0 = blockIdx.x * BM, h = blockIdx.y, b = blockIdx.z, kvh = h / p.group;
     const int ty = threadIdx.x / 16, tx = threadIdx.x % 16;
-    const Visibility rules = FASTATTN_RULES;
     int lo, hi;
-    rules.key_range(b, seq_k, m0, min(m0 + BM, seq_q) - 1, &lo, &hi);
-    load_rows(q_s, S, q + b * q_sb + h * q_sh, q_ss, m0, BM, seq_q, head_dim, DMAX);
-    load_rows(do_s, S, dout + b * do_sb + h * do_sh, do_ss, m0, BM, seq_q, head_dim_v, DMAX);
-    for (int r = threadIdx.x; r < BM; r += kFp32Threads) {
-        const bool inside = m0 + r < seq_q;
-        lse_s[r] = inside ? lse[b * lse_sb + h * lse_sh + m0 + r] : negative_infinity();
-        delta_s[r] = inside ? delta[(static_cast<long long>(b) * heads_q + h) * seq_q + m0 + r] : 0.f;
-    }
-    const float* k_base = k + b * k_sb + kvh * k_sh;
-    const float* v_base = v + b * v_sb + kvh * v_sh;
+    p.rules.key_range(b, p.seq_k, m0, min(m0 + BM, p.seq_q) - 1, &lo, &hi);
+    load_rows(q_s, S, p.q.row<const float>(b, h, 0), p.q.ss, m0, BM, p.seq_q, p.head_dim, DMAX);
+    load_rows(do_s, S, p.dout.row<const float>(b, h, 0), p.dout.ss, m0, BM, p.seq_q, p.head_dim_v, DMAX);
+    tiles.load_row_stats(p, b, h, m0, BM);
 
     float dq_acc[TM][TD];
     tile_zero(dq_acc);
     for (int kt = lo; kt < hi; kt += BN) {
         __syncthreads();  // the previous step is done with k_s, v_s, ds_s
-        load_rows(k_s, S, k_base, k_ss, kt, BN, hi, head_dim, DMAX);
-        load_rows(v_s, S, v_base, v_ss, kt, BN, hi, head_dim_v, DMAX);
+        load_rows(k_s, S, p.k.row<const float>(b, kvh, 0), p.k.ss, kt, BN, hi, p.head_dim, DMAX);
+        load_rows(v_s, S, p.v.row<const float>(b, kvh, 0), p.v.ss, kt, BN, hi, p.head_dim_v, DMAX);
         __syncthreads();
         float s[TM][TN], dp[TM][TN];
         tile_zero(s);
         tile_zero(dp);
-        tile_mac<false>(s, q_s, S, 1, k_s, 1, S, head_dim);      // S[m][n] = Q[m] . K[n]
-        tile_mac<false>(dp, do_s, S, 1, v_s, 1, S, head_dim_v);  // dP[m][n] = dO[m] . V[n]
+        tile_mac<false>(s, q_s, S, 1, k_s, 1, S, p.head_dim);      // S[m][n] = Q[m] . K[n]
+        tile_mac<false>(dp, do_s, S, 1, v_s, 1, S, p.head_dim_v);  // dP[m][n] = dO[m] . V[n]
 #pragma unroll
         for (int i = 0; i < TM; ++i) {
             const int local = ty + 16 * i, row = m0 + local;
 #pragma unroll
             for (int j = 0; j < TN; ++j) {
                 const int key = kt + tx + 16 * j;
-                ds_s[local * SD + tx + 16 * j] = score_gradient(rules, s[i][j], dp[i][j], lse_s[local], delta_s[local],
-                                                                scale, softcap, row < seq_q && key < hi, b, h, row, key)
+                ds_s[local * SD + tx + 16 * j] = score_gradient<DROPOUT>(p, s[i][j], dp[i][j], lse_s[local],
+                                                                         delta_s[local], row < p.seq_q && key < hi, b,
+                                                                         h, row, key)
                                                      .ds;
             }
         }
@@ -371,30 +346,12 @@ fp32_backward_q(const float* __restrict__ q, const float* __restrict__ k, const 
 #pragma unroll
     for (int i = 0; i < TM; ++i) {
         const int row = m0 + ty + 16 * i;
-        if (row >= seq_q) continue;
-        float* dq_row = dq + b * dq_sb + h * dq_sh + row * dq_ss;
+        if (row >= p.seq_q) continue;
+        float* dq_row = p.dq.row<float>(b, h, row);
 #pragma unroll
         for (int d = 0; d < TD; ++d)
-            if (tx + 16 * d < head_dim) dq_row[tx + 16 * d] = dq_acc[i][d];
+            if (tx + 16 * d < p.head_dim) dq_row[tx + 16 * d] = dq_acc[i][d];
     }
 }
 
 }  // namespace fastattn_gpu
-
-#ifdef FASTATTN_INSTANTIATE
-// nvcc compile check (CI): instantiate every configuration the launcher can request.
-#define FASTATTN_RULE_TYPES int, int, int, int, const void*, int, long long, long long, long long, long long, const long long*
-#define FASTATTN_L3 long long, long long, long long
-#define FASTATTN_FP32(D)                                                                                          \
-    template __global__ void fastattn_gpu::fp32_forward<D>(const float*, const float*, const float*, float*, float*, \
-        FASTATTN_L3, FASTATTN_L3, FASTATTN_L3, FASTATTN_L3, long long, long long, int, int, int, int, int, float, \
-        float, FASTATTN_RULE_TYPES);                                                                              \
-    template __global__ void fastattn_gpu::fp32_backward_kv<D>(const float*, const float*, const float*,          \
-        const float*, const float*, const float*, float*, float*, FASTATTN_L3, FASTATTN_L3, FASTATTN_L3,          \
-        FASTATTN_L3, long long, long long, FASTATTN_L3, FASTATTN_L3, int, int, int, int, int, int, float, float,  \
-        FASTATTN_RULE_TYPES);                                                                                     \
-    template __global__ void fastattn_gpu::fp32_backward_q<D>(const float*, const float*, const float*,           \
-        const float*, const float*, const float*, float*, FASTATTN_L3, FASTATTN_L3, FASTATTN_L3, FASTATTN_L3,     \
-        long long, long long, FASTATTN_L3, int, int, int, int, int, int, float, float, FASTATTN_RULE_TYPES);
-FASTATTN_FP32(32) FASTATTN_FP32(64) FASTATTN_FP32(128) FASTATTN_FP32(256)
-#endif

@@ -1,0 +1,197 @@
+// The tile pipeline of the tensor-core kernels (flash_forward.cu, flash_backward.cu): packed pairs
+// for mma.sync (the PTX helpers themselves are in ptx.cuh), padded cp.async tile loads, the
+// double-buffered stream of K/V tiles, the two warp-level products every pass is made of, and
+// ScoreRule: the contract's scores (DESIGN.md §3) on top of common.cuh's Visibility, which the
+// decode and float32 kernels use too, so that every kernel hides exactly the same keys.
+//
+// Fragment layouts (PTX ISA, mma.m16n8k16 with 16-bit inputs): a warp's A operand is 16 rows x 16
+// k, loaded by one ldmatrix.x4 from a row-major tile; its B operand is 16 k x 8 columns, loaded
+// two k-steps (or two column blocks) per ldmatrix.x4.  The *_offset helpers give each lane's
+// ldmatrix row address for those loads, in elements from the tile's first row.
+#pragma once
+#include "common.cuh"
+
+namespace fastattn_gpu {
+
+constexpr int kPad = 8;  // elements of padding per shared-memory row: ldmatrix rows hit distinct banks
+
+template <typename Elem> struct Pack;
+template <> struct Pack<__half> {
+    static __device__ __forceinline__ unsigned int two(float lo, float hi) {
+        __half2 v = __floats2half2_rn(lo, hi);
+        return *reinterpret_cast<unsigned int*>(&v);
+    }
+    static __device__ __forceinline__ void mma(float* c, const unsigned int* a, const unsigned int* b) {
+        mma_m16n8k16_f16(c, a, b);
+    }
+};
+template <> struct Pack<__nv_bfloat16> {
+    static __device__ __forceinline__ unsigned int two(float lo, float hi) {
+        __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+        return *reinterpret_cast<unsigned int*>(&v);
+    }
+    static __device__ __forceinline__ void mma(float* c, const unsigned int* a, const unsigned int* b) {
+        mma_m16n8k16_bf16(c, a, b);
+    }
+};
+
+// A operand (16 rows x 16 k) of a row-major tile with `stride` elements per row.
+__device__ __forceinline__ int a_offset(int lane, int stride) { return (lane & 15) * stride + (lane >> 4) * 8; }
+// B operands of two k-steps (k = columns) from a row-major [n][k] tile: 8 rows n.
+__device__ __forceinline__ int b_offset(int lane, int stride) { return (lane & 7) * stride + (lane >> 3) * 8; }
+// B operands of two 8-column blocks from a row-major [k][n] tile (ldmatrix.trans): 16 rows k.
+__device__ __forceinline__ int bt_offset(int lane, int stride) {
+    return ((lane & 7) + ((lane >> 3) & 1) * 8) * stride + (lane >> 4) * 8;
+}
+// A operand (16 rows x 16 k) read transposed (ldmatrix.trans) from a [k][row] tile.
+__device__ __forceinline__ int at_offset(int lane, int stride) {
+    return ((lane & 7) + ((lane >> 4) & 1) * 8) * stride + ((lane >> 3) & 1) * 8;
+}
+
+// Copy `ROWS` rows (from `first`, zero past `limit`) of HEAD_DIM elements into a padded smem tile,
+// with THREADS threads of the block taking 16-byte chunks in turn.
+template <typename Elem, int HEAD_DIM, int ROWS, int THREADS>
+__device__ __forceinline__ void load_tile(Elem* tile, const Elem* base, long long row_stride, long long first,
+                                          long long limit) {
+    constexpr int chunks_per_row = HEAD_DIM / 8;
+    for (int chunk = threadIdx.x; chunk < ROWS * chunks_per_row; chunk += THREADS) {
+        const int row = chunk / chunks_per_row, col = (chunk % chunks_per_row) * 8;
+        const bool valid = first + row < limit;
+        const Elem* src = base + (valid ? (first + row) * row_stride : 0) + col;
+        cp_async_16(tile + row * (HEAD_DIM + kPad) + col, src, valid);
+    }
+}
+
+// K and V tiles of BLOCK_N keys streamed through two shared-memory stages: while one stage is
+// computed on, cp.async fills the other with the next tile (zero past `hi`).  Used as
+//   stream.load(0, lo); cp_async_commit();
+//   for (kt = lo, stage = 0; kt < hi; kt += BLOCK_N, stage ^= 1) { stream.next(kt, stage); ...; __syncthreads(); }
+//   cp_async_wait<0>();
+template <typename Elem, int HEAD_DIM, int BLOCK_N, int THREADS> struct KeyValueStream {
+    static constexpr int kRow = HEAD_DIM + kPad;
+    // Only what the call's Params cannot give: the rest (addresses, strides) is read from the
+    // constant bank at each load, so no register holds it across the key loop.
+    const Params& p;
+    Elem* stages;  // [2][BLOCK_N][kRow] K, then [2][BLOCK_N][kRow] V
+    int b, kvh, hi;
+
+    // The stream over the keys that query rows [m0, m0 + ROWS) of batch row b can see, from kv head
+    // kvh, with its stages at `stages` (4 BLOCK_N kRow elements); *lo gets the first tile's first
+    // key (rounded down to a whole tile).
+    template <int ROWS>
+    static __device__ __forceinline__ KeyValueStream visible_to(const Params& p, Elem* stages, int b, int kvh, int m0,
+                                                                int* lo) {
+        int first, hi;
+        p.rules.key_range(b, p.seq_k, m0, min(m0 + ROWS, p.seq_q) - 1, &first, &hi);
+        *lo = max(first, 0) / BLOCK_N * BLOCK_N;
+        return {p, stages, b, kvh, hi};
+    }
+
+    __device__ __forceinline__ void load(int stage, int first) const {
+        load_tile<Elem, HEAD_DIM, BLOCK_N, THREADS>(k_tile(stage), p.k.row<const Elem>(b, kvh, 0), p.k.ss, first, hi);
+        load_tile<Elem, HEAD_DIM, BLOCK_N, THREADS>(v_tile(stage), p.v.row<const Elem>(b, kvh, 0), p.v.ss, first, hi);
+    }
+    // Prefetch the tile after `kt` into the other stage, then wait for this stage's tile.
+    __device__ __forceinline__ void next(int kt, int stage) const {
+        if (kt + BLOCK_N < hi) load(stage ^ 1, kt + BLOCK_N);
+        cp_async_commit();
+        cp_async_wait<1>();
+        __syncthreads();
+    }
+    __device__ __forceinline__ Elem* k_tile(int stage) const { return stages + stage * BLOCK_N * kRow; }
+    __device__ __forceinline__ Elem* v_tile(int stage) const { return stages + (2 + stage) * BLOCK_N * kRow; }
+};
+
+// c[n] += A B^T for one warp: A = 16 rows of `a_rows` (row-major, K_DIM columns), B = the N_BLOCKS * 8
+// rows of `b_rows`; both with `stride` elements per row.  c[n] is the m16n8 accumulator of columns
+// 8n .. 8n + 7.
+template <typename Elem, int K_DIM, int N_BLOCKS>
+__device__ __forceinline__ void warp_product_nt(float (&c)[N_BLOCKS][4], const Elem* a_rows, const Elem* b_rows,
+                                                int stride, int lane) {
+    static_assert(K_DIM % 32 == 0, "k-steps come in pairs");
+#pragma unroll
+    for (int step = 0; step < K_DIM / 16; step += 2) {
+        unsigned int a[2][4];
+        ldmatrix_x4(a[0], a_rows + a_offset(lane, stride) + step * 16);
+        ldmatrix_x4(a[1], a_rows + a_offset(lane, stride) + (step + 1) * 16);
+#pragma unroll
+        for (int nb = 0; nb < N_BLOCKS; ++nb) {
+            unsigned int b[4];  // b fragments for k-steps `step` (b[0..1]) and `step + 1` (b[2..3])
+            ldmatrix_x4(b, b_rows + nb * 8 * stride + b_offset(lane, stride) + step * 16);
+            Pack<Elem>::mma(c[nb], a[0], b);
+            Pack<Elem>::mma(c[nb], a[1], b + 2);
+        }
+    }
+}
+
+// c[n] += A B for one 16-step of k: A in registers (an m16k16 fragment), B = 16 rows of `b_rows`
+// (row-major [k][n], read with ldmatrix.trans), columns 8n .. 8n + 7 for n < N_BLOCKS.
+template <typename Elem, int N_BLOCKS>
+__device__ __forceinline__ void warp_product_step(float (&c)[N_BLOCKS][4], const unsigned int* a, const Elem* b_rows,
+                                                  int stride, int lane) {
+    static_assert(N_BLOCKS % 2 == 0, "pairs of n8 blocks per ldmatrix.x4.trans");
+#pragma unroll
+    for (int nb = 0; nb < N_BLOCKS; nb += 2) {
+        unsigned int b[4];  // n-blocks nb (b[0..1]) and nb + 1 (b[2..3])
+        ldmatrix_x4_trans(b, b_rows + bt_offset(lane, stride) + nb * 8);
+        Pack<Elem>::mma(c[nb], a, b);
+        Pack<Elem>::mma(c[nb + 1], a, b + 2);
+    }
+}
+
+// c[n] += A B over K_STEPS 16-steps of k: A in registers (a[s] is the m16k16 fragment of step s,
+// as built from S accumulators), B = the K_STEPS * 16 rows of `b_rows` (row-major [k][n]).
+template <typename Elem, int K_STEPS, int N_BLOCKS>
+__device__ __forceinline__ void warp_product_registers(float (&c)[N_BLOCKS][4], const unsigned int (&a)[K_STEPS][4],
+                                                       const Elem* b_rows, int stride, int lane) {
+#pragma unroll
+    for (int ks = 0; ks < K_STEPS; ++ks) warp_product_step<Elem, N_BLOCKS>(c, a[ks], b_rows + ks * 16 * stride, stride, lane);
+}
+
+// Accumulator row r (0: the lane's row lane / 4, 1: that row + 8) of c, times `factor`, into the
+// 16-bit elements dst[8n + (lane % 4) * 2 + {0, 1}] as packed pairs.
+template <typename Elem, int N_BLOCKS>
+__device__ __forceinline__ void store_row_pairs(Elem* dst, const float (&c)[N_BLOCKS][4], int r, float factor,
+                                                int lane) {
+    const int pair = (lane % 4) * 2;
+#pragma unroll
+    for (int nb = 0; nb < N_BLOCKS; ++nb)
+        *reinterpret_cast<unsigned int*>(dst + nb * 8 + pair) =
+            Pack<Elem>::two(c[nb][2 * r] * factor, c[nb][2 * r + 1] * factor);
+}
+
+template <int N_BLOCKS> __device__ __forceinline__ void zero(float (&c)[N_BLOCKS][4]) {
+#pragma unroll
+    for (int nb = 0; nb < N_BLOCKS; ++nb) c[nb][0] = c[nb][1] = c[nb][2] = c[nb][3] = 0.f;
+}
+
+// The contract's scores for one call: scale and softcap, then Visibility's causal/window/
+// key_lengths/mask rule; rows at or past seq_q are hidden too (tiles overhang the sequence).
+struct ScoreRule {
+    // A copy of the fields the scores need, not a reference to the kernel's Params: held through a
+    // reference, ptxas kept more of them live across the key loop (flash_backward_dq at head_dim
+    // 128 went from 242 registers to 255 and spilled).
+    struct Fields {
+        float scale, softcap;
+        int seq_q;
+        Visibility rules;
+    } p;
+
+    __device__ __forceinline__ explicit ScoreRule(const Params& params)
+        : p{params.scale, params.softcap, params.seq_q, params.rules} {}
+
+    // Finish the raw dot product of query `row` (head h, batch b) with key `key`: keys at or past
+    // `key_end` are hidden.  Returns the score times log2(e), or -inf where the key is hidden.
+    // `slope` gets d score / d (dot * scale): soft_cap_slope's sech^2 under softcap, else 1.
+    // (The forward ignores it and the compiler drops it there.)
+    __device__ __forceinline__ float log2_score(float dot, int b, int h, int row, int key, int key_end,
+                                                float* slope) const {
+        float score = dot * p.scale;
+        *slope = soft_cap_slope(score, p.softcap);
+        score = soft_cap(score, p.softcap);
+        if (row >= p.seq_q || key >= key_end) return negative_infinity();
+        return p.rules.apply(score, b, h, row, key) * kLog2e;
+    }
+};
+
+}  // namespace fastattn_gpu
