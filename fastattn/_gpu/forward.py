@@ -53,21 +53,25 @@ def declines(problem: AttentionProblem) -> list[str]:
     return reasons
 
 
-def kernel_name(dtype: str, head_dim: int, dropout: bool) -> str:
-    """The template instance of one configuration."""
-    flag = "true" if dropout else "false"
-    return f"fastattn_gpu::flash_forward<{ELEMENTS[dtype]}, {head_dim}, {block_keys(head_dim)}, {flag}>"
+def kernel_name(dtype: str, head_dim: int, softcap: bool, dropout: bool) -> str:
+    """The template instance of one configuration (softcap and dropout are compile-time options)."""
+    flags = ", ".join("true" if flag else "false" for flag in (softcap, dropout))
+    return f"fastattn_gpu::flash_forward<{ELEMENTS[dtype]}, {head_dim}, {block_keys(head_dim)}, {flags}>"
 
 
 def instances(problem: AttentionProblem) -> tuple[str, ...]:
     """The kernel instance that runs ``problem``."""
-    return (kernel_name(problem.dtype, problem.head_dim, problem.dropout_p > 0),)
+    return (kernel_name(problem.dtype, problem.head_dim, problem.softcap is not None, problem.dropout_p > 0),)
 
 
 def all_instances() -> tuple[str, ...]:
     """Every instance :func:`instances` can name (CI's nvcc compiles each)."""
     return tuple(
-        kernel_name(dtype, head_dim, dropout) for dtype in DTYPES for head_dim in HEAD_DIMS for dropout in (False, True)
+        kernel_name(dtype, head_dim, softcap, dropout)
+        for dtype in DTYPES
+        for head_dim in HEAD_DIMS
+        for softcap in (False, True)
+        for dropout in (False, True)
     )
 
 

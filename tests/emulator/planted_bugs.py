@@ -41,9 +41,8 @@ BUGS = [
     Bug(
         "tensor-core forward: no __syncthreads before a stage is overwritten by the next prefetch",
         "flash_forward.cu",
-        "        __syncthreads();  // this stage is overwritten by the prefetch of the tile after next\n"
-        "    }\n    cp_async_wait<0>();\n\n    // Normalise",
-        "    }\n    cp_async_wait<0>();\n\n    // Normalise",
+        "        __syncthreads();  // this stage is overwritten by the prefetch of the tile after next\n    };",
+        "    };",
     ),
     Bug(
         "tensor-core forward and dQ: the K/V tile is read without waiting for its cp.async group",
@@ -80,6 +79,18 @@ BUGS = [
         "flash_fp32.cu",
         "__syncthreads();  // the previous step is done with k_s, v_s, ds_s\n",
         "\n",
+    ),
+    Bug(
+        "tensor-core forward: the interior (unmasked) tiles run one tile past the last whole visible one",
+        "flash_forward.cu",
+        "const int tile_hi = lo + max(min(common_hi, hi) - lo, 0) / BLOCK_N * BLOCK_N;",
+        "const int tile_hi = lo + max(min(common_hi, hi) - lo, 0) / BLOCK_N * BLOCK_N + BLOCK_N;",
+    ),
+    Bug(
+        "tensor-core forward: the interior tiles start at a tile the window's left edge cuts",
+        "flash_forward.cu",
+        "const int tile_lo = lo + (max(common_lo - lo, 0) + BLOCK_N - 1) / BLOCK_N * BLOCK_N;",
+        "const int tile_lo = lo + max(common_lo - lo, 0) / BLOCK_N * BLOCK_N;",
     ),
     Bug(
         "dropout, tensor-core forward and dQ: the words of keys 0-1 of a Philox block used for keys 2-3",

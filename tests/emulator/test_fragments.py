@@ -33,7 +33,8 @@ __global__ void ldmatrix(const unsigned short* m, unsigned* r) {
     for (int c = 0; c < 8; ++c) tile[l * 16 + c] = m[l * 8 + c];
     __syncthreads();
     unsigned out[4];
-    if (TRANS) fastattn_gpu::ldmatrix_x4_trans(out, tile + l * 16); else fastattn_gpu::ldmatrix_x4(out, tile + l * 16);
+    const auto at = fastattn_gpu::shared_address(tile + l * 16);
+    if (TRANS) fastattn_gpu::ldmatrix_x4_trans(out, at); else fastattn_gpu::ldmatrix_x4(out, at);
     for (int j = 0; j < 4; ++j) r[4 * l + j] = out[j];
 }
 __global__ void convert(const float* x, unsigned short* h, unsigned short* b, float* back_h, float* back_b) {

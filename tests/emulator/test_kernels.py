@@ -45,6 +45,10 @@ FORWARDS = [
     ("bfloat16", (1, 2, 1, 40, 70, 256), AttentionOptions(causal=True)),
     ("float32", (1, 2, 1, 30, 40, 256), AttentionOptions()),
     ("float16", (1, 2, 2, 33, 45, 96), AttentionOptions(softcap=10.0)),
+    # interior tiles (no masking) between edge tiles on both sides, with and without softcap
+    # (a block of rows 192-255 has edge tiles for its window's left side and interior tiles after)
+    ("float16", (1, 2, 1, 400, 400, 64), AttentionOptions(window=(100, 200))),
+    ("bfloat16", (1, 2, 1, 70, 300, 64), AttentionOptions(causal="bottom_right", softcap=3.0)),
 ]
 
 

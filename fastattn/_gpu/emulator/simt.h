@@ -135,6 +135,7 @@ inline __nv_bfloat162 __floats2bfloat162_rn(float lo, float hi) {
 inline float __uint_as_float(unsigned int u) { return fastattn_emu::bits_float(u); }
 inline float __int_as_float(int i) { return fastattn_emu::bits_float(static_cast<unsigned int>(i)); }
 inline float __expf(float x) { return std::exp(x); }
+inline float __fdividef(float x, float y) { return x / y; }
 inline size_t __cvta_generic_to_shared(const void* pointer) { return reinterpret_cast<size_t>(pointer); }
 
 // CUDA's min and max take mixed integer types.
@@ -445,6 +446,14 @@ inline float operand_value(unsigned int word, int half, Operand kind) {
 //   B: b0 = (k 2t..2t+1, n g), b1 = (k 2t+8..2t+9, n g)
 //   C/D: c0,c1 = (g, 2t), (g, 2t+1); c2,c3 = (g+8, 2t), (g+8, 2t+1)
 // A 32-bit register's low half is the element of the lower index.
+// ex2.approx.ftz.f32: 2^x with subnormal inputs read as 0 and subnormal results flushed to 0 (the
+// device's few-ulp approximation error is not modelled: the emulator computes 2^x exactly rounded).
+inline float ex2_approx_ftz(float x) {
+    if (std::fpclassify(x) == FP_SUBNORMAL) x = 0.f;
+    const float y = std::exp2(x);
+    return std::fpclassify(y) == FP_SUBNORMAL ? 0.f : y;
+}
+
 inline void mma_m16n8k16(float* c, const unsigned int* a, const unsigned int* b, Operand kind) {
     Thread& thread = this_thread();
     WarpSlots& slots = warp_slots();

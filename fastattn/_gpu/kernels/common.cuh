@@ -80,6 +80,17 @@ struct Visibility {
         *hi = high;
     }
 
+    // Keys [*lo, *hi) that every query position of [first, last] sees by causal, window and key
+    // lengths (empty when lo >= hi): the tiles inside need no masking unless a dense mask is given.
+    __device__ __forceinline__ void common_key_range(int b, int seq_k, int first, int last, int* lo, int* hi) const {
+        int low = 0, high = key_end(b, seq_k);
+        if (causal) high = min(high, first + offset + 1);
+        if (window_left >= 0) low = max(low, last + offset - window_left);
+        if (window_right >= 0) high = min(high, first + offset + window_right + 1);
+        *lo = max(low, 0);
+        *hi = high;
+    }
+
     // Query rows [*lo, *hi) of [0, seq_q) that may see some key of [first_key, last_key].
     __device__ __forceinline__ void query_range(int seq_q, int first_key, int last_key, int* lo, int* hi) const {
         *lo = 0;
@@ -157,6 +168,12 @@ struct Params {
     Dropout dropout;
 };
 
+// A compile-time flag as a value, for generic lambdas: body(Flag<true>{}) instantiates the body with
+// decltype(flag)::value true.
+template <bool B> struct Flag {
+    static constexpr bool value = B;
+};
+
 // exp results below the smallest normal float count as exactly 0 (the reference's rule, so that
 // which keys have zero weight does not depend on denormal support); NaN stays NaN.
 __device__ __forceinline__ float flush_tiny(float p) { return p < 1.17549435e-38f ? 0.f : p; }
@@ -167,9 +184,10 @@ __device__ __forceinline__ float weighted_add(float weight, float value, float a
     return fmaf(weight, weight != 0.f ? value : 0.f, acc);
 }
 
-// softcap * tanh(score / softcap) when softcap > 0.
+// softcap * tanh(score / softcap) when softcap > 0.  The division is a multiplication by 1 / softcap,
+// which a loop hoists: an IEEE division inside a tile loop leaves a slow-path call there.
 __device__ __forceinline__ float soft_cap(float score, float softcap) {
-    return softcap > 0.f ? softcap * tanhf(score / softcap) : score;
+    return softcap > 0.f ? softcap * tanhf(score * (1.f / softcap)) : score;
 }
 
 // d soft_cap(score) / d score: 1, or sech^2(score / softcap) computed from e = exp(-2|x|) as
@@ -177,7 +195,7 @@ __device__ __forceinline__ float soft_cap(float score, float softcap) {
 // keeps no correct digit; the backward's dS inherits the error).
 __device__ __forceinline__ float soft_cap_slope(float score, float softcap) {
     if (softcap <= 0.f) return 1.f;
-    const float e = expf(-2.f * fabsf(score / softcap));
+    const float e = expf(-2.f * fabsf(score * (1.f / softcap)));
     return 4.f * e / ((1.f + e) * (1.f + e));
 }
 

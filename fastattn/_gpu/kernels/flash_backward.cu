@@ -217,10 +217,11 @@ __global__ void __launch_bounds__(kBwdWarps * 32) flash_backward_kv(const __grid
         for (int ks = 0; ks < BLOCK_M / 16; ++ks) {
             unsigned int a_p[4], a_ds[4];
             const int a_at = key_row * kProbRow + a_offset(lane, kProbRow) + ks * 16;
-            ldmatrix_x4(a_p, p_tile + a_at);
-            ldmatrix_x4(a_ds, ds_tile + a_at);
-            warp_product_step<Elem, kDimBlocks>(dv_acc, a_p, do_tile + ks * 16 * kRow + c0, kRow, lane);
-            warp_product_step<Elem, kDimBlocks>(dk_acc, a_ds, q_tile + ks * 16 * kRow + c0, kRow, lane);
+            ldmatrix_x4(a_p, shared_address(p_tile + a_at));
+            ldmatrix_x4(a_ds, shared_address(ds_tile + a_at));
+            const int b_at = ks * 16 * kRow + c0 + bt_offset(lane, kRow);
+            warp_product_step<Elem, kDimBlocks>(dv_acc, a_p, shared_address(do_tile + b_at));
+            warp_product_step<Elem, kDimBlocks>(dk_acc, a_ds, shared_address(q_tile + b_at));
         }
 
         // dQ += dS K, A = dS read from the key-major dS^T with ldmatrix.trans; float32 atomics.
@@ -231,8 +232,9 @@ __global__ void __launch_bounds__(kBwdWarps * 32) flash_backward_kv(const __grid
 #pragma unroll
             for (int ks = 0; ks < kBlockN / 16; ++ks) {
                 unsigned int a_ds[4];
-                ldmatrix_x4_trans(a_ds, ds_tile + ks * 16 * kProbRow + r0 + at_offset(lane, kProbRow));
-                warp_product_step<Elem, kDqCols / 8>(dq, a_ds, k_tile + ks * 16 * kRow + d0, kRow, lane);
+                ldmatrix_x4_trans(a_ds, shared_address(ds_tile + ks * 16 * kProbRow + r0 + at_offset(lane, kProbRow)));
+                warp_product_step<Elem, kDqCols / 8>(dq, a_ds,
+                                                     shared_address(k_tile + ks * 16 * kRow + d0 + bt_offset(lane, kRow)));
             }
             float* dq_head = p.dq_accum + (static_cast<long long>(b) * p.heads_q + h) * seq_q * HEAD_DIM;
 #pragma unroll

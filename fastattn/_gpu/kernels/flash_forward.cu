@@ -31,8 +31,8 @@ namespace fastattn_gpu {
 constexpr int kWarps = 4;
 constexpr int kBlockM = 16 * kWarps;
 
-template <typename Elem, int HEAD_DIM, int BLOCK_N, bool DROPOUT>
-__global__ void __launch_bounds__(kWarps * 32) flash_forward(const __grid_constant__ Params p) {
+template <typename Elem, int HEAD_DIM, int BLOCK_N, bool SOFTCAP, bool DROPOUT>
+__global__ void __launch_bounds__(kWarps * 32, 2) flash_forward(const __grid_constant__ Params p) {
     constexpr int kRow = HEAD_DIM + kPad;
     constexpr int kKeyBlocks = BLOCK_N / 8;
     constexpr int kOutBlocks = HEAD_DIM / 8;
@@ -46,6 +46,9 @@ __global__ void __launch_bounds__(kWarps * 32) flash_forward(const __grid_consta
     const auto stream = KeyValueStream<Elem, HEAD_DIM, BLOCK_N, kWarps * 32>::template visible_to<kBlockM>(
         p, q_tile + kBlockM * kRow, b, kvh, m0, &lo);
     const int hi = stream.hi;
+    int interior_lo, interior_hi;  // tiles every row sees whole: no masking there
+    rule.template interior_tiles<BLOCK_N>(b, p.seq_k, m0, min(m0 + kBlockM, p.seq_q) - 1, lo, hi, &interior_lo,
+                                          &interior_hi);
 
     load_tile<Elem, HEAD_DIM, kBlockM, kWarps * 32>(q_tile, p.q.row<const Elem>(b, h, 0), p.q.ss, m0, p.seq_q);
     if (lo < hi) stream.load(0, lo);
@@ -57,7 +60,13 @@ __global__ void __launch_bounds__(kWarps * 32) flash_forward(const __grid_consta
     float acc[kOutBlocks][4];
     zero(acc);
 
-    for (int kt = lo, stage = 0; kt < hi; kt += BLOCK_N, stage ^= 1) {
+    // One key tile; MASKED applies the contract's exact rule to every score, else the tile is
+    // interior (every row sees every key) and the scores are only scaled (and softcapped).  RAW: an
+    // interior tile without softcap keeps the raw dot products, takes their maximum, and folds the
+    // scale into the exponent's FFMA (exp2(dot scale log2e - max)); interior tiles need scale > 0.
+    auto tile = [&](auto masked, int kt, int stage) {
+        constexpr bool MASKED = decltype(masked)::value;
+        constexpr bool RAW = !MASKED && !SOFTCAP;
         stream.next(kt, stage);
 
         // S = Q K^T for this warp's 16 rows and BLOCK_N keys.
@@ -65,25 +74,31 @@ __global__ void __launch_bounds__(kWarps * 32) flash_forward(const __grid_consta
         zero(s);
         warp_product_nt<Elem, HEAD_DIM, kKeyBlocks>(s, q_tile + warp * 16 * kRow, stream.k_tile(stage), kRow, lane);
 
-        // Softcap, masks, then the online softmax (exp2 with the scale folded in).
+        // Scores in log2 units, then the online softmax.
         float tile_max[2] = {negative_infinity(), negative_infinity()};
 #pragma unroll
         for (int nb = 0; nb < kKeyBlocks; ++nb) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                float slope;
-                s[nb][e] = rule.log2_score(s[nb][e], b, h, rows[e / 2], kt + nb * 8 + pair + (e % 2), hi, &slope);
+                if constexpr (MASKED) {
+                    float slope;
+                    s[nb][e] = rule.template log2_score<SOFTCAP>(s[nb][e], b, h, rows[e / 2],
+                                                                 kt + nb * 8 + pair + (e % 2), hi, &slope);
+                } else if constexpr (SOFTCAP) {
+                    s[nb][e] = rule.softcapped_log2_score(s[nb][e]);
+                }
                 tile_max[e / 2] = fmaxf(tile_max[e / 2], s[nb][e]);
             }
         }
-        float alpha[2];
+        float alpha[2], shift[2];
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffff, tile_max[r], 1));
             tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffff, tile_max[r], 2));
+            if constexpr (RAW) tile_max[r] *= rule.scale_log2;
             const float new_max = fmaxf(row_max[r], tile_max[r]);
-            const float shift = new_max == negative_infinity() ? 0.f : new_max;
-            alpha[r] = exp2f(row_max[r] - shift);
+            shift[r] = new_max == negative_infinity() ? 0.f : new_max;
+            alpha[r] = fast_exp2(row_max[r] - shift[r]);
             row_max[r] = new_max;
             row_sum[r] *= alpha[r];
         }
@@ -100,8 +115,8 @@ __global__ void __launch_bounds__(kWarps * 32) flash_forward(const __grid_consta
             float prob[4];
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                const float shift = row_max[e / 2] == negative_infinity() ? 0.f : row_max[e / 2];
-                prob[e] = exp2f(s[nb][e] - shift);
+                prob[e] = RAW ? fast_exp2(fmaf(s[nb][e], rule.scale_log2, -shift[e / 2]))
+                              : fast_exp2(s[nb][e] - shift[e / 2]);
                 row_sum[e / 2] += prob[e];
             }
             if constexpr (DROPOUT) {  // after the row sum: lse and the normaliser are undropped
@@ -121,7 +136,13 @@ __global__ void __launch_bounds__(kWarps * 32) flash_forward(const __grid_consta
         // O += P V: k = keys (16 per step), n = head_dim.
         warp_product_registers<Elem, kKeyBlocks / 2, kOutBlocks>(acc, probs, stream.v_tile(stage), kRow, lane);
         __syncthreads();  // this stage is overwritten by the prefetch of the tile after next
-    }
+    };
+
+    // Edge tiles (window start), interior tiles, edge tiles (diagonal, key_lengths, sequence end).
+    int kt = lo, stage = 0;
+    for (; kt < interior_lo; kt += BLOCK_N, stage ^= 1) tile(Flag<true>{}, kt, stage);
+    for (; kt < interior_hi; kt += BLOCK_N, stage ^= 1) tile(Flag<false>{}, kt, stage);
+    for (; kt < hi; kt += BLOCK_N, stage ^= 1) tile(Flag<true>{}, kt, stage);
     cp_async_wait<0>();
 
     // Normalise, write out and lse (natural log); rows that saw nothing get 0 and -inf.
@@ -132,7 +153,10 @@ __global__ void __launch_bounds__(kWarps * 32) flash_forward(const __grid_consta
         total += __shfl_xor_sync(0xffffffff, total, 2);
         const int row = rows[r];
         if (row >= p.seq_q) continue;
-        store_row_pairs<Elem, kOutBlocks>(p.out.row<Elem>(b, h, row), acc, r, total > 0.f ? 1.f / total : 0.f, lane);
+        // __fdividef: an approximate reciprocal (2 ulp, far below a 16-bit output's rounding) with no
+        // IEEE slow-path call, whose calling convention made ptxas spill.
+        store_row_pairs<Elem, kOutBlocks>(p.out.row<Elem>(b, h, row), acc, r, total > 0.f ? __fdividef(1.f, total) : 0.f,
+                                          lane);
         if ((lane % 4) == 0)
             *p.lse.row<float>(b, h, row) = total > 0.f ? (row_max[r] + log2f(total)) * kLn2 : negative_infinity();
     }

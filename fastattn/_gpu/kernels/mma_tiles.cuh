@@ -49,16 +49,35 @@ __device__ __forceinline__ int at_offset(int lane, int stride) {
 }
 
 // Copy `ROWS` rows (from `first`, zero past `limit`) of HEAD_DIM elements into a padded smem tile,
-// with THREADS threads of the block taking 16-byte chunks in turn.
+// with THREADS threads of the block taking 16-byte chunks in turn.  When a thread's chunks stay in
+// one column (THREADS a multiple of the chunks per row: every head_dim but 96) the trip count is a
+// constant, the loop unrolls, and each copy costs its cp.async and an address add: the row pointer
+// is formed once and advances by THREADS / (HEAD_DIM / 8) rows a trip.
 template <typename Elem, int HEAD_DIM, int ROWS, int THREADS>
 __device__ __forceinline__ void load_tile(Elem* tile, const Elem* base, long long row_stride, long long first,
                                           long long limit) {
-    constexpr int chunks_per_row = HEAD_DIM / 8;
-    for (int chunk = threadIdx.x; chunk < ROWS * chunks_per_row; chunk += THREADS) {
-        const int row = chunk / chunks_per_row, col = (chunk % chunks_per_row) * 8;
-        const bool valid = first + row < limit;
-        const Elem* src = base + (valid ? (first + row) * row_stride : 0) + col;
-        cp_async_16(tile + row * (HEAD_DIM + kPad) + col, src, valid);
+    constexpr int kChunksPerRow = HEAD_DIM / 8;
+    constexpr int kChunks = ROWS * kChunksPerRow;
+    if constexpr (THREADS % kChunksPerRow == 0) {
+        constexpr int kRowStep = THREADS / kChunksPerRow;
+        const int row0 = threadIdx.x / kChunksPerRow, col = (threadIdx.x % kChunksPerRow) * 8;
+        const Elem* src = base + (first + row0) * row_stride + col;
+        Elem* dst = tile + row0 * (HEAD_DIM + kPad) + col;
+        const long long step = kRowStep * row_stride;
+        const int rows_left = static_cast<int>(min(limit - first - row0, static_cast<long long>(ROWS)));
+#pragma unroll
+        for (int trip = 0; trip < (kChunks + THREADS - 1) / THREADS; ++trip) {
+            // A row past `limit` is zero-filled: cp.async reads no byte of its (unused) address.
+            if (kChunks % THREADS == 0 || row0 + trip * kRowStep < ROWS)
+                cp_async_16(dst + trip * kRowStep * (HEAD_DIM + kPad), src + trip * step, trip * kRowStep < rows_left);
+        }
+    } else {
+        for (int chunk = threadIdx.x; chunk < kChunks; chunk += THREADS) {
+            const int row = chunk / kChunksPerRow, col = (chunk % kChunksPerRow) * 8;
+            const bool valid = first + row < limit;
+            const Elem* src = base + (valid ? (first + row) * row_stride : 0) + col;
+            cp_async_16(tile + row * (HEAD_DIM + kPad) + col, src, valid);
+        }
     }
 }
 
@@ -109,31 +128,34 @@ template <typename Elem, int K_DIM, int N_BLOCKS>
 __device__ __forceinline__ void warp_product_nt(float (&c)[N_BLOCKS][4], const Elem* a_rows, const Elem* b_rows,
                                                 int stride, int lane) {
     static_assert(K_DIM % 32 == 0, "k-steps come in pairs");
+    constexpr int kBytes = sizeof(Elem);
+    const SharedAddress a_base = shared_address(a_rows + a_offset(lane, stride));
+    const SharedAddress b_base = shared_address(b_rows + b_offset(lane, stride));
 #pragma unroll
     for (int step = 0; step < K_DIM / 16; step += 2) {
         unsigned int a[2][4];
-        ldmatrix_x4(a[0], a_rows + a_offset(lane, stride) + step * 16);
-        ldmatrix_x4(a[1], a_rows + a_offset(lane, stride) + (step + 1) * 16);
+        ldmatrix_x4(a[0], a_base + step * 16 * kBytes);
+        ldmatrix_x4(a[1], a_base + (step + 1) * 16 * kBytes);
 #pragma unroll
         for (int nb = 0; nb < N_BLOCKS; ++nb) {
             unsigned int b[4];  // b fragments for k-steps `step` (b[0..1]) and `step + 1` (b[2..3])
-            ldmatrix_x4(b, b_rows + nb * 8 * stride + b_offset(lane, stride) + step * 16);
+            ldmatrix_x4(b, b_base + (nb * 8 * stride + step * 16) * kBytes);
             Pack<Elem>::mma(c[nb], a[0], b);
             Pack<Elem>::mma(c[nb], a[1], b + 2);
         }
     }
 }
 
-// c[n] += A B for one 16-step of k: A in registers (an m16k16 fragment), B = 16 rows of `b_rows`
-// (row-major [k][n], read with ldmatrix.trans), columns 8n .. 8n + 7 for n < N_BLOCKS.
+// c[n] += A B for one 16-step of k: A in registers (an m16k16 fragment), B = 16 rows at `b_base`, the
+// shared address of a row-major [k][n] tile plus bt_offset(lane, stride), read with ldmatrix.trans;
+// columns 8n .. 8n + 7 for n < N_BLOCKS.
 template <typename Elem, int N_BLOCKS>
-__device__ __forceinline__ void warp_product_step(float (&c)[N_BLOCKS][4], const unsigned int* a, const Elem* b_rows,
-                                                  int stride, int lane) {
+__device__ __forceinline__ void warp_product_step(float (&c)[N_BLOCKS][4], const unsigned int* a, SharedAddress b_base) {
     static_assert(N_BLOCKS % 2 == 0, "pairs of n8 blocks per ldmatrix.x4.trans");
 #pragma unroll
     for (int nb = 0; nb < N_BLOCKS; nb += 2) {
         unsigned int b[4];  // n-blocks nb (b[0..1]) and nb + 1 (b[2..3])
-        ldmatrix_x4_trans(b, b_rows + bt_offset(lane, stride) + nb * 8);
+        ldmatrix_x4_trans(b, b_base + nb * 8 * static_cast<int>(sizeof(Elem)));
         Pack<Elem>::mma(c[nb], a, b);
         Pack<Elem>::mma(c[nb + 1], a, b + 2);
     }
@@ -144,8 +166,10 @@ __device__ __forceinline__ void warp_product_step(float (&c)[N_BLOCKS][4], const
 template <typename Elem, int K_STEPS, int N_BLOCKS>
 __device__ __forceinline__ void warp_product_registers(float (&c)[N_BLOCKS][4], const unsigned int (&a)[K_STEPS][4],
                                                        const Elem* b_rows, int stride, int lane) {
+    const SharedAddress b_base = shared_address(b_rows + bt_offset(lane, stride));
 #pragma unroll
-    for (int ks = 0; ks < K_STEPS; ++ks) warp_product_step<Elem, N_BLOCKS>(c, a[ks], b_rows + ks * 16 * stride, stride, lane);
+    for (int ks = 0; ks < K_STEPS; ++ks)
+        warp_product_step<Elem, N_BLOCKS>(c, a[ks], b_base + ks * 16 * stride * static_cast<int>(sizeof(Elem)));
 }
 
 // Accumulator row r (0: the lane's row lane / 4, 1: that row + 8) of c, times `factor`, into the
@@ -177,18 +201,43 @@ struct ScoreRule {
         Visibility rules;
     } p;
 
+    float scale_log2;  // scale * log2(e)
+
     __device__ __forceinline__ explicit ScoreRule(const Params& params)
-        : p{params.scale, params.softcap, params.seq_q, params.rules} {}
+        : p{params.scale, params.softcap, params.seq_q, params.rules}, scale_log2(params.scale * kLog2e) {}
+
+    // The log2-unit score of a dot product in a softcapped tile every row sees whole (no rule).
+    __device__ __forceinline__ float softcapped_log2_score(float dot) const {
+        return soft_cap(dot * p.scale, p.softcap) * kLog2e;
+    }
+
+    // Keys [*lo, *hi) in whole tiles of BLOCK_N from `lo` that rows [first, last] all see and that
+    // need no masking (empty under a dense mask, or for scale <= 0): the interior tiles of a key walk
+    // over [lo, hi).
+    template <int BLOCK_N>
+    __device__ __forceinline__ void interior_tiles(int b, int seq_k, int first, int last, int lo, int hi, int* begin,
+                                                   int* end) const {
+        int common_lo, common_hi;
+        p.rules.common_key_range(b, seq_k, first, last, &common_lo, &common_hi);
+        const int tile_lo = lo + (max(common_lo - lo, 0) + BLOCK_N - 1) / BLOCK_N * BLOCK_N;
+        const int tile_hi = lo + max(min(common_hi, hi) - lo, 0) / BLOCK_N * BLOCK_N;
+        // A scale <= 0 would turn the raw scores' maximum into the minimum (see flash_forward).
+        const bool none = p.rules.mask_kind != MASK_NONE || p.scale <= 0.f || tile_hi <= tile_lo;
+        *begin = none ? lo : tile_lo;
+        *end = none ? lo : tile_hi;
+    }
 
     // Finish the raw dot product of query `row` (head h, batch b) with key `key`: keys at or past
     // `key_end` are hidden.  Returns the score times log2(e), or -inf where the key is hidden.
     // `slope` gets d score / d (dot * scale): soft_cap_slope's sech^2 under softcap, else 1.
     // (The forward ignores it and the compiler drops it there.)
+    // SOFTCAP false: the kernel's compile-time promise that softcap is off (no softcap code at all).
+    template <bool SOFTCAP = true>
     __device__ __forceinline__ float log2_score(float dot, int b, int h, int row, int key, int key_end,
                                                 float* slope) const {
         float score = dot * p.scale;
-        *slope = soft_cap_slope(score, p.softcap);
-        score = soft_cap(score, p.softcap);
+        *slope = SOFTCAP ? soft_cap_slope(score, p.softcap) : 1.f;
+        if constexpr (SOFTCAP) score = soft_cap(score, p.softcap);
         if (row >= p.seq_q || key >= key_end) return negative_infinity();
         return p.rules.apply(score, b, h, row, key) * kLog2e;
     }

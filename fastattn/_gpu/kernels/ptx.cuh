@@ -1,7 +1,7 @@
 // Every inline-PTX helper of the kernels, in one place, with the form the SIMT emulator
 // (fastattn/_gpu/emulator/simt.h) runs in its place when FASTATTN_EMULATE is defined:
 //   mma.sync.m16n8k16 (f16 and bf16 inputs, f32 accumulators), ldmatrix.x4 (plain and .trans),
-//   cp.async (16 and 4 bytes, zero-fill) with commit_group / wait_group.
+//   cp.async (16 and 4 bytes, zero-fill) with commit_group / wait_group, ex2.approx.ftz.
 // The emulated forms follow the PTX ISA's fragment layouts lane by lane (tests/emulator checks
 // them against a numpy model of the documented layouts).  The CUDA headers come from here too: the
 // emulator brings its own half and bfloat16 types, so it needs no CUDA toolkit.
@@ -46,24 +46,50 @@ __device__ __forceinline__ void mma_m16n8k16_bf16(float* c, const unsigned int* 
 #endif
 }
 
-// Four 8x8 matrices of 16-bit elements from shared memory; lanes 8j..8j+7 give matrix j's rows.
-__device__ __forceinline__ void ldmatrix_x4(unsigned int* r, const void* pointer) {
+// A shared-memory address as ldmatrix takes it: 32 bits in the shared window on the device (one
+// conversion per tile base; the per-fragment offsets then fold into the instructions' immediates),
+// a host byte pointer on the emulator.  Offsets are added in bytes.
 #ifdef FASTATTN_EMULATE
-    fastattn_emu::ldmatrix_x4(r, pointer, false);
+using SharedAddress = const unsigned char*;
+__device__ __forceinline__ SharedAddress shared_address(const void* pointer) {
+    return static_cast<SharedAddress>(pointer);
+}
+#else
+using SharedAddress = unsigned int;
+__device__ __forceinline__ SharedAddress shared_address(const void* pointer) { return smem_address(pointer); }
+#endif
+
+// Four 8x8 matrices of 16-bit elements from shared memory; lanes 8j..8j+7 give matrix j's rows.
+__device__ __forceinline__ void ldmatrix_x4(unsigned int* r, SharedAddress address) {
+#ifdef FASTATTN_EMULATE
+    fastattn_emu::ldmatrix_x4(r, address, false);
 #else
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(smem_address(pointer)));
+                 : "r"(address));
 #endif
 }
 
-__device__ __forceinline__ void ldmatrix_x4_trans(unsigned int* r, const void* pointer) {
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned int* r, SharedAddress address) {
 #ifdef FASTATTN_EMULATE
-    fastattn_emu::ldmatrix_x4(r, pointer, true);
+    fastattn_emu::ldmatrix_x4(r, address, true);
 #else
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(smem_address(pointer)));
+                 : "r"(address));
+#endif
+}
+
+// 2^x on the SFU: ex2.approx.ftz.f32, one MUFU.EX2 (exp2f without fast math is four instructions).
+// A few ulp of error, far inside the 16-bit kernels' tolerance; subnormal results flush to 0, which
+// is the kernels' tiny-probability rule anyway (flush_tiny).
+__device__ __forceinline__ float fast_exp2(float x) {
+#ifdef FASTATTN_EMULATE
+    return fastattn_emu::ex2_approx_ftz(x);
+#else
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
 #endif
 }
 
