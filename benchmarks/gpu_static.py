@@ -144,7 +144,13 @@ def ptxas_report(text: str) -> dict[str, dict[str, int]]:
 
 def sass_functions(cubin: Path) -> dict[str, list[tuple[int, str, str]]]:
     """Mangled name -> its instructions as (address, opcode, operands)."""
-    text = subprocess.run([cuobjdump(), "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    tool = cuobjdump()
+    # cuobjdump runs nvdisasm: the wheels put both in one folder, which may not be on PATH.
+    environment = {**os.environ, "PATH": f"{Path(tool).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    result = subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True, env=environment)
+    if result.returncode != 0:
+        raise SystemExit(f"gpu_static: cuobjdump failed on {cubin.name}:\n{result.stderr[-2000:]}")
+    text = result.stdout
     functions: dict[str, list[tuple[int, str, str]]] = {}
     current: list[tuple[int, str, str]] | None = None
     for line in text.splitlines():
@@ -244,7 +250,9 @@ def decode_tile_bytes(kernel: str) -> int:
 def analyse(arch: str, only: set[str] | None) -> list[KernelStats]:
     rows = []
     with tempfile.TemporaryDirectory() as folder:
-        for source in sorted({op.source for op in ops.OPS}):
+        wanted = [op for op in ops.OPS if only is None or op.name in only or any(name in only for name in
+                  {instance.split("::")[1].split("<")[0] for instance in op.all_instances()})]
+        for source in sorted({op.source for op in wanted}):
             cubin, report = compile_source(source, arch, Path(folder))
             ptxas = ptxas_report(report)
             functions = sass_functions(cubin)

@@ -61,11 +61,13 @@ def declines(problem: AttentionProblem) -> list[str]:
 
 def instances(problem: AttentionProblem) -> tuple[str, ...]:
     """The kernel instances that run ``problem``: the decode, then the combine when it splits."""
+    return _instances(problem, plan(problem, _launch.multiprocessors())[0])
+
+
+def _instances(problem: AttentionProblem, splits: int) -> tuple[str, ...]:
     element = _ELEMENTS[problem.dtype]
     decode = f"fastattn_gpu::flash_decode<{element}, {problem.head_dim}, {rows_per_block(problem)}>"
-    if plan(problem, _launch.multiprocessors())[0] == 1:
-        return (decode,)
-    return decode, f"fastattn_gpu::decode_combine<{element}>"
+    return (decode,) if splits == 1 else (decode, f"fastattn_gpu::decode_combine<{element}>")
 
 
 def all_instances() -> tuple[str, ...]:
@@ -139,7 +141,7 @@ def forward(problem: AttentionProblem, q: Any, k: Any, v: Any, out: Any, lse: An
     query_rows = problem.batch * problem.heads_q * problem.seq_q
     shared = shared_bytes(problem.dtype, problem.head_dim, rows)
     chunks = math.ceil(problem.group_size * problem.seq_q / rows)
-    names = instances(problem)
+    names = _instances(problem, splits)
     with _launch.stream(problem.framework):
         # The partials stay referenced until the launches are made (on the emulator, until they ran).
         partials = {}

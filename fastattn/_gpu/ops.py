@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._problem import AttentionProblem
-from . import backward, decode, forward, fp32
+from . import _launch, backward, decode, forward, fp32
 
 #: Why the cuda backend declines float64 (and any dtype no op takes).
 NO_KERNEL_FOR_DTYPE = "{dtype} runs on the reference backend through CuPy"
@@ -127,12 +127,27 @@ def select(problem: AttentionProblem, *, fast_paths: bool = True) -> KernelOp | 
     """The op that runs ``problem``: the first that takes and accepts it (None when none does).
 
     ``fast_paths=False`` skips the fast paths (a call whose arrays a fast path cannot take at run
-    time, e.g. misaligned addresses, goes to the general op).
+    time, e.g. misaligned addresses, goes to the general op).  Kept per problem (problems are
+    interned; the identity is checked) and device kind, so a call does not re-run the declines the
+    registry's selection already ran.
     """
-    for op in OPS:
-        if op.takes(problem) and (fast_paths or not op.fast_path) and not op.declines(problem):
-            return op
-    return None
+    key = (id(problem), fast_paths, _launch.is_emulated())
+    kept = _selected.get(key)
+    if kept is not None and kept[0] is problem:
+        return kept[1]
+    chosen = next(
+        (op for op in OPS if op.takes(problem) and (fast_paths or not op.fast_path) and not op.declines(problem)),
+        None,
+    )
+    if len(_selected) >= _SELECTIONS_KEPT:
+        _selected.clear()
+    _selected[key] = (problem, chosen)
+    return chosen
+
+
+#: (id(problem), fast_paths, emulated) -> (problem, op): selections already made.
+_selected: dict[tuple[int, bool, bool], tuple[AttentionProblem, KernelOp | None]] = {}
+_SELECTIONS_KEPT = 1024
 
 
 def reasons(problem: AttentionProblem) -> list[str]:
