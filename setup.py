@@ -1,5 +1,10 @@
 """Build the ``fastattn._cpu`` extensions, with OpenMP where the compiler has it.
 
+The kernels are compiled once per instruction-set level (on x86-64: generic, AVX2+FMA, AVX-512),
+and ``fastattn._cpu._flash`` picks the highest level the CPU runs at import (``FASTATTN_ISA``
+forces a lower one), so a build made on one x86-64 machine runs at full speed on any.
+``FASTATTN_NATIVE=1`` builds one ``-march=native`` level instead, for the building machine alone.
+
 OpenMP support is probed by compiling and linking a tiny program with ``-fopenmp``.  Where the
 probe fails (a compiler without OpenMP) the extensions are built serially and the build says so;
 it never fails for want of OpenMP.  ``FASTATTN_DISABLE_OPENMP=1`` forces the serial build.
@@ -8,15 +13,19 @@ it never fails for want of OpenMP.  ``FASTATTN_DISABLE_OPENMP=1`` forces the ser
 from __future__ import annotations
 
 import os
+import platform
 import shutil
 import subprocess
 import sys
 import sysconfig
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple
 
 import numpy
 from Cython.Build import cythonize
 from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
 
 _OPENMP_PROBE = r"""
 #include <omp.h>
@@ -63,14 +72,38 @@ def _openmp_flags() -> list[str]:
     return ["-fopenmp"]
 
 
-def _native_flags() -> list[str]:
-    """``-march=native`` (the kernels use the build machine's vector unit) unless disabled."""
-    if os.environ.get("FASTATTN_NATIVE", "1") == "0" or sys.platform == "win32":
-        print("fastattn: portable build (FASTATTN_NATIVE=0): generic vector code")
-        # 32-byte vectors without AVX make GCC note an ABI detail of passing them; nothing to act on.
-        return [] if sys.platform == "win32" else ["-Wno-psabi"]
-    print("fastattn: building the kernels for this machine's CPU (-march=native; FASTATTN_NATIVE=0 to disable)")
-    return ["-march=native"]
+class IsaLevel(NamedTuple):
+    """One instruction-set level the kernels are compiled for (fastattn/_cpu/isa.h)."""
+
+    name: str
+    flags: list[str]
+
+
+#: x86-64 levels, lowest first; fastattn/_cpu/dispatch.h checks the same extensions by CPUID.
+_X86_LEVELS = [
+    IsaLevel("generic", ["-march=x86-64", "-mtune=generic"]),
+    IsaLevel("avx2", ["-march=x86-64", "-mtune=generic", "-mavx2", "-mfma"]),
+    IsaLevel("avx512", ["-march=x86-64", "-mtune=generic", "-mavx2", "-mfma", "-mavx512f", "-mavx512bw",
+                        "-mavx512dq", "-mavx512vl"]),
+]
+
+
+def _isa_levels() -> list[IsaLevel]:
+    """The levels to compile the kernels for.
+
+    x86-64 with GCC or Clang: every level of ``_X86_LEVELS``; the extension picks one at import.
+    ``FASTATTN_NATIVE=1`` (opt-in): one level built with ``-march=native`` for this machine alone.
+    Elsewhere: one generic level with the compiler's default target.
+    """
+    if os.environ.get("FASTATTN_NATIVE", "0") == "1" and sys.platform != "win32":
+        print("fastattn: FASTATTN_NATIVE=1: kernels built for this machine's CPU alone (-march=native)")
+        return [IsaLevel("native", ["-march=native"])]
+    machine = platform.machine().lower()
+    if sys.platform != "win32" and machine in ("x86_64", "amd64"):
+        print("fastattn: kernels built for " + ", ".join(level.name for level in _X86_LEVELS) + "; chosen at import")
+        return _X86_LEVELS
+    # 32-byte vectors without AVX make GCC note an ABI detail of passing them; nothing to act on.
+    return [IsaLevel("generic", [] if sys.platform == "win32" else ["-Wno-psabi"])]
 
 
 def _sanitizer_flags() -> list[str]:
@@ -89,8 +122,49 @@ def _sanitizer_flags() -> list[str]:
 _omp = _openmp_flags()
 _sanitize = _sanitizer_flags()
 _compile_args = ["-O3"] if sys.platform != "win32" else ["/O2"]
-_kernel_args = _compile_args + _native_flags() + ["-std=gnu++17"] + _sanitize
+_levels = _isa_levels()
+_cxx_args = _compile_args + ["-std=gnu++17"] + _sanitize
 _link_args = (_omp + _sanitize) if sys.platform != "win32" else []
+#: The extension code around the kernels (Cython, dispatch) runs on every CPU: the lowest level's flags.
+_baseline_args = _cxx_args + _levels[0].flags
+_kernel_source = "fastattn/_cpu/kernels.cpp"
+_kernel_headers = [
+    "fastattn/_cpu/flash_forward.h",
+    "fastattn/_cpu/flash_backward.h",
+    "fastattn/_cpu/simd.h",
+    "fastattn/_cpu/isa.h",
+    "fastattn/_cpu/params.h",
+    "fastattn/_cpu/kernel_table.h",
+    "fastattn/_shared/philox.h",
+]
+
+
+class BuildWithKernelLevels(build_ext):
+    """build_ext that compiles kernels.cpp once per instruction-set level into ``_flash``.
+
+    Each level's object gets its target flags and its namespace (fastattn/_cpu/isa.h); the levels
+    compile in parallel, one compiler process per core.
+    """
+
+    def build_extension(self, ext: Extension) -> None:
+        if ext.name == "fastattn._cpu._flash":
+            ext.extra_objects = self._kernel_objects(ext)
+        super().build_extension(ext)
+
+    def _kernel_objects(self, ext: Extension) -> list[str]:
+        def compile_level(level: IsaLevel) -> list[str]:
+            return self.compiler.compile(
+                [_kernel_source],
+                output_dir=os.path.join(self.build_temp, "isa_" + level.name),
+                macros=[("FASTATTN_ISA_NAMESPACE", "isa_" + level.name), ("FASTATTN_ISA_NAME", f'"{level.name}"')],
+                include_dirs=ext.include_dirs,
+                extra_postargs=_cxx_args + level.flags,
+                depends=_kernel_headers,
+            )
+
+        with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+            return [obj for objects in pool.map(compile_level, _levels) for obj in objects]
+
 
 def _numpy_c_api_extension(name: str) -> Extension:
     """A small C extension of the call path on numpy's C API (no kernels: plain optimisation flags)."""
@@ -109,15 +183,14 @@ extensions = [
     _numpy_c_api_extension("fastattn._dlpack"),
     # The key validated calls are remembered under (numpy's C API reads the arrays' descriptions).
     _numpy_c_api_extension("fastattn._describe"),
-    # Built like the kernels (C++, same flags, same headers) so that the compiler, OpenMP and SIMD
-    # width it reports are the kernels' own.
+    # The compiler and OpenMP runtime of the kernels (C++, the kernels' OpenMP flags).
     Extension(
         "fastattn._cpu._runtime",
         ["fastattn/_cpu/_runtime.pyx"],
         include_dirs=["fastattn/_cpu"],
         language="c++",
-        depends=["fastattn/_cpu/simd.h", "fastattn/_cpu/_omp_shim.h"],
-        extra_compile_args=_kernel_args + _omp,
+        depends=["fastattn/_cpu/_omp_shim.h"],
+        extra_compile_args=_baseline_args + _omp,
         extra_link_args=_link_args,
     ),
     Extension(
@@ -125,22 +198,18 @@ extensions = [
         ["fastattn/_cpu/_flash.pyx"],
         # numpy's C API gives the arrays' addresses and strides without making Python objects.
         include_dirs=["fastattn/_cpu", "fastattn/_shared", numpy.get_include()],
-        define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_25_API_VERSION")],
+        define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_25_API_VERSION")]
+        + [("FASTATTN_LEVEL_" + level.name.upper(), "1") for level in _levels],
         language="c++",
-        depends=[
-            "fastattn/_cpu/flash_forward.h",
-            "fastattn/_cpu/flash_backward.h",
-            "fastattn/_shared/philox.h",
-            "fastattn/_cpu/simd.h",
-            "fastattn/_cpu/thread_scratch.h",
-            "fastattn/_cpu/_omp_shim.h",
-        ],
-        extra_compile_args=_kernel_args + _omp,
+        depends=[_kernel_source, *_kernel_headers, "fastattn/_cpu/dispatch.h", "fastattn/_cpu/thread_scratch.h",
+                 "fastattn/_cpu/_omp_shim.h"],
+        extra_compile_args=_baseline_args + _omp,
         extra_link_args=_link_args,
     ),
 ]
 
 setup(
+    cmdclass={"build_ext": BuildWithKernelLevels},
     ext_modules=cythonize(
         extensions,
         compiler_directives={"language_level": "3", "boundscheck": False, "wraparound": False},

@@ -1,28 +1,35 @@
 """CPU benchmark: fastattn's cpu backend against torch SDPA and numpy, cases C1-C6 of DESIGN.md §5.
 
-Every implementation runs in the same process on the same inputs: one warm-up, then the median of
-``--repeats`` timed runs.  numpy's sgemm (2048^3) is timed in the same run as the practical
-ceiling, under whatever OpenBLAS kernel this environment selects (reported via threadpoolctl; on
-machines where OPENBLAS_CORETYPE is set it is an older kernel, which changes the ceiling but not
-fastattn, whose kernels call no BLAS).  ``--memory`` adds the (1, 8, 32768, 32768, 128) causal
-forward (and forward+backward) and reports peak RSS beyond inputs, outputs and gradients, measured
-in a subprocess.
+Every implementation runs in the same process on the same inputs, interleaved: after one warm-up
+each, ``--repeats`` rounds time every implementation once in turn, and each quotes its median (a
+noisy neighbour then slows all of them alike).  The same run measures the machine's ceilings: the
+best sgemm (numpy's under this environment's OpenBLAS, numpy's again in a child process without
+``OPENBLAS_CORETYPE``/``OPENBLAS_L2_SIZE`` when either is set, torch's), and, through
+``machine_ceilings.c`` compiled with ``-march=native``, the float32 FMA peak of a register-only loop
+and the DRAM read bandwidth, all on the same threads.  Each row shows its ratio to torch and to
+those ceilings; the JSON names the CPU (model, family, ISA flags) and the kernels' level.
+``--memory`` adds the (1, 8, 32768, 32768, 128) causal forward (and forward+backward) and reports
+peak RSS beyond inputs, outputs and gradients, measured in a subprocess.
 
     python benchmarks/bench_cpu.py                 # table + benchmarks/results/cpu-<date>.json
     python benchmarks/bench_cpu.py --cases C1 C6 --repeats 7
+    python benchmarks/bench_cpu.py --impls fastattn --passes forward   # one implementation only
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import datetime
 import json
 import math
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -49,26 +56,131 @@ def forward_flops(batch: int, heads_q: int, seq_q: int, seq_k: int, dim: int, ca
     return flops / 2 if causal and seq_q == seq_k else flops
 
 
-def median_seconds(run: Callable[[], Any], repeats: int) -> float:
-    """Median of ``repeats`` timed runs after one warm-up.
+def settle() -> None:
+    """Let the previous implementation's thread pools go idle.
 
-    A pause comes first: the previous implementation's thread pools (OpenBLAS, torch's and our
-    OpenMP runtimes) spin for a while after their last parallel region, and would otherwise steal
-    the cores from the one being timed.
+    OpenBLAS, torch's and our OpenMP runtimes spin for a while after their last parallel region,
+    and would otherwise steal the cores from the one timed next.
     """
-    time.sleep(0.5)
+    time.sleep(0.3)
+
+
+def timed(run: Callable[[], Any]) -> float:
+    """Seconds of one run, after the pools of whatever ran before went idle."""
+    settle()
+    start = time.perf_counter()
     run()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
+    return time.perf_counter() - start
+
+
+def median_seconds(run: Callable[[], Any], repeats: int) -> float:
+    """Median of ``repeats`` timed runs after one warm-up (for one implementation alone)."""
+    run()
+    return statistics.median(timed(run) for _ in range(repeats))
+
+
+def interleaved_medians(runs: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
+    """Median seconds of each run: one warm-up each, then ``repeats`` rounds running each once in turn."""
+    for run in runs.values():
         run()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    times: dict[str, list[float]] = {label: [] for label in runs}
+    for _ in range(repeats):
+        for label, run in runs.items():
+            times[label].append(timed(run))
+            print(f"    {label}: {1e3 * times[label][-1]:.2f} ms", file=sys.stderr, flush=True)
+    return {label: statistics.median(values) for label, values in times.items()}
+
+
+SGEMM_SIZE = 2048
 
 
 def sgemm_gflops(repeats: int) -> float:
-    a = np.random.default_rng(0).standard_normal((2048, 2048), dtype=np.float32)
-    return 2 * 2048**3 / median_seconds(lambda: a @ a, repeats) / 1e9
+    """numpy's float32 matmul of two 2048 x 2048 matrices, in this process."""
+    a = np.random.default_rng(0).standard_normal((SGEMM_SIZE, SGEMM_SIZE), dtype=np.float32)
+    return 2 * SGEMM_SIZE**3 / median_seconds(lambda: a @ a, repeats) / 1e9
+
+
+_SGEMM_CHILD = (
+    "import sys; sys.path.insert(0, sys.argv[1]); import bench_cpu; print(bench_cpu.sgemm_gflops(int(sys.argv[2])))"
+)
+OPENBLAS_VARIABLES = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
+
+
+def ceilings(torch: Any, repeats: int, threads: int) -> dict[str, float]:
+    """The machine's ceilings, measured now: sgemm three ways, FMA peak and read bandwidth (GFLOP/s, GB/s)."""
+    found = {"sgemm numpy": sgemm_gflops(repeats)}
+    if any(name in os.environ for name in OPENBLAS_VARIABLES):
+        clean = {key: value for key, value in os.environ.items() if key not in OPENBLAS_VARIABLES}
+        child = subprocess.run(
+            [sys.executable, "-c", _SGEMM_CHILD, str(Path(__file__).parent), str(repeats)],
+            env=clean, capture_output=True, text=True, check=True,
+        )
+        found["sgemm numpy without OPENBLAS_* settings"] = float(child.stdout.strip().splitlines()[-1])
+    if torch is not None:
+        a = torch.randn(SGEMM_SIZE, SGEMM_SIZE)
+        found["sgemm torch"] = 2 * SGEMM_SIZE**3 / median_seconds(lambda: torch.mm(a, a), repeats) / 1e9
+    native = _machine_ceilings()
+    if native is not None:
+        native.fma_peak_gflops.restype = native.read_gbytes_per_s.restype = ctypes.c_double
+        native.fma_peak_gflops.argtypes = [ctypes.c_long, ctypes.c_int]
+        native.read_gbytes_per_s.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        native.fma_peak_gflops(10**6, threads)
+        found["fma peak"] = statistics.median(native.fma_peak_gflops(2 * 10**7, threads) for _ in range(repeats))
+        buffer = np.ones(1 << 28, dtype=np.float32)  # 1 GiB, far beyond any cache
+        address = buffer.ctypes.data
+        native.read_gbytes_per_s(address, buffer.size, threads)
+        found["read bandwidth"] = statistics.median(
+            native.read_gbytes_per_s(address, buffer.size, threads) for _ in range(repeats)
+        )
+    found["sgemm"] = max(value for key, value in found.items() if key.startswith("sgemm"))
+    return found
+
+
+def _machine_ceilings() -> Any:
+    """machine_ceilings.c built for this CPU and loaded, or None without a C compiler with OpenMP."""
+    compiler = os.environ.get("CC", "cc")
+    if shutil.which(compiler) is None:
+        return None
+    library = Path(tempfile.mkdtemp()) / "machine_ceilings.so"
+    source = Path(__file__).parent / "machine_ceilings.c"
+    built = subprocess.run(
+        [compiler, "-O2", "-march=native", "-fopenmp", "-shared", "-fPIC", str(source), "-o", str(library)],
+        capture_output=True, text=True,
+    )
+    if built.returncode != 0:
+        print(f"machine_ceilings.c did not build: {built.stderr.strip()[:300]}", file=sys.stderr)
+        return None
+    return ctypes.CDLL(str(library))
+
+
+def machine_description() -> dict[str, Any]:
+    """The CPU's model, family and vector ISA (from /proc/cpuinfo on Linux), and the kernels' level."""
+    from fastattn._cpu import isa
+
+    described: dict[str, Any] = {
+        "processor": platform.processor(),
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "fastattn_isa": isa.active(),
+        "fastattn_isa_levels": [level.name for level in isa.levels()],
+    }
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return described
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    flags = set(fields.get("flags", "").split())
+    described.update(
+        model_name=fields.get("model name"),
+        vendor=fields.get("vendor_id"),
+        family=fields.get("cpu family"),
+        model=fields.get("model"),
+        vector_isa=sorted(flag for flag in flags if flag.startswith(("avx", "amx")) or flag in ("fma", "f16c")),
+    )
+    return described
 
 
 def blas_description() -> list[dict[str, Any]]:
@@ -154,21 +266,19 @@ def run_case(name: str, direction: str, impls: dict[str, Callable[..., Callable[
     dout = rng.standard_normal((batch, heads_q, seq_q, dim), dtype=np.float32)
     flops = forward_flops(batch, heads_q, seq_q, seq_k, dim, causal) * (3.5 if direction == "forward+backward" else 1)
     kv_bytes = k.nbytes + v.nbytes
-    rows = []
-    for label, make in impls.items():
-        seconds = median_seconds(make(q, k, v, dout, causal), repeats)
-        rows.append(
-            {
-                "case": name,
-                "pass": direction,
-                "implementation": label,
-                "median_ms": 1e3 * seconds,
-                "gflops": flops / seconds / 1e9,
-                "kv_gbytes_per_s": kv_bytes / seconds / 1e9,
-            }
-        )
-        print(f"  {name} {direction} {label}: {1e3 * seconds:.2f} ms", file=sys.stderr, flush=True)
-    return rows
+    print(f"  {name} {direction}", file=sys.stderr, flush=True)
+    medians = interleaved_medians({label: make(q, k, v, dout, causal) for label, make in impls.items()}, repeats)
+    return [
+        {
+            "case": name,
+            "pass": direction,
+            "implementation": label,
+            "median_ms": 1e3 * seconds,
+            "gflops": flops / seconds / 1e9,
+            "kv_gbytes_per_s": kv_bytes / seconds / 1e9,
+        }
+        for label, seconds in medians.items()
+    ]
 
 
 _MEMORY_PROBE = r"""
@@ -209,24 +319,28 @@ def memory_case(direction: str) -> dict[str, Any]:
     return dict(json.loads(result.stdout.strip().splitlines()[-1]), direction=direction)
 
 
-def format_table(rows: list[dict[str, Any]], sgemm: float) -> str:
+def format_table(rows: list[dict[str, Any]], ceiling: dict[str, float]) -> str:
+    """One line per (case, pass, implementation): time, rates, and the ratios to torch and to the ceilings."""
     torch_ms = {(r["case"], r["pass"]): r["median_ms"] for r in rows if r["implementation"] == "torch sdpa"}
     header = (
         f"{'case':<5} {'pass':<16} {'implementation':<14} {'ms':>9} {'GFLOP/s':>8} {'KV GB/s':>8} "
-        f"{'vs torch':>9} {'of sgemm':>9}"
+        f"{'vs torch':>9} {'of sgemm':>9} {'of FMA':>7} {'of read':>8}"
     )
     lines = [header, "-" * len(header)]
     for row in rows:
         ratio = torch_ms.get((row["case"], row["pass"]), math.nan) / row["median_ms"]
+        fma = row["gflops"] / ceiling.get("fma peak", math.nan)
+        read = row["kv_gbytes_per_s"] / ceiling.get("read bandwidth", math.nan)
         lines.append(
             f"{row['case']:<5} {row['pass']:<16} {row['implementation']:<14} {row['median_ms']:>9.2f} "
-            f"{row['gflops']:>8.1f} {row['kv_gbytes_per_s']:>8.1f} {ratio:>8.2f}x {row['gflops'] / sgemm:>8.0%}"
+            f"{row['gflops']:>8.1f} {row['kv_gbytes_per_s']:>8.1f} {ratio:>8.2f}x {row['gflops'] / ceiling['sgemm']:>8.0%} "
+            f"{fma:>7.0%} {read:>8.0%}"
         )
     return "\n".join(lines)
 
 
 def summary(rows: list[dict[str, Any]]) -> dict[str, float]:
-    """fastattn / torch time ratios per (case, pass) and their geomeans over C1-C5."""
+    """fastattn / torch time ratios per (case, pass), their geomeans and minima over C1-C5."""
     torch_ms = {(r["case"], r["pass"]): r["median_ms"] for r in rows if r["implementation"] == "torch sdpa"}
     ratios: dict[str, float] = {}
     for row in rows:
@@ -237,6 +351,7 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, float]:
         chosen = [ratios[f"{c} {direction}"] for c in ("C1", "C2", "C3", "C4", "C5") if f"{c} {direction}" in ratios]
         if chosen:
             ratios[f"geomean C1-C5 {direction}"] = math.exp(sum(map(math.log, chosen)) / len(chosen))
+            ratios[f"lowest C1-C5 {direction}"] = min(chosen)
     return ratios
 
 
@@ -248,6 +363,10 @@ def main(argv: list[str] | None = None) -> int:
         "--passes", nargs="+", default=["forward", "forward+backward"], choices=["forward", "forward+backward"]
     )
     parser.add_argument("--no-numpy", action="store_true", help="skip numpy naive (slow on C3-C5)")
+    parser.add_argument(
+        "--impls", nargs="+", default=["fastattn", "torch", "numpy"], choices=["fastattn", "torch", "numpy"],
+        help="implementations to time (default all)",
+    )
     parser.add_argument("--memory", action="store_true", help="also run the 32768-token memory case")
     parser.add_argument("--json", type=Path, help="output path (default benchmarks/results/cpu-<date>.json)")
     arguments = parser.parse_args(argv)
@@ -258,29 +377,36 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(fastattn.get_num_threads())
     except ImportError:
         torch = None
-    sgemm = sgemm_gflops(arguments.repeats)
+    ceiling = ceilings(torch, arguments.repeats, fastattn.get_num_threads())
+    wanted = {"fastattn cpu": "fastattn", "torch sdpa": "torch", "numpy naive": "numpy"}
     rows = []
     for direction in arguments.passes:
-        impls = implementations(torch, direction)
-        if arguments.no_numpy:
-            impls.pop("numpy naive")
+        impls = {
+            label: make
+            for label, make in implementations(torch, direction).items()
+            if wanted[label] in arguments.impls and not (arguments.no_numpy and label == "numpy naive")
+        }
         for name in arguments.cases:
             if direction == "forward+backward" and CASES[name][3] == 1:
                 continue  # decode (Sq = 1) is an inference path: forward only
             rows.extend(run_case(name, direction, impls, arguments.repeats))
-    print(format_table(rows, sgemm))
-    print(f"numpy sgemm 2048^3: {sgemm:.1f} GFLOP/s; BLAS: {blas_description()}")
+    machine = machine_description()
+    print(f"CPU: {machine.get('model_name')} (family {machine.get('family')}, model {machine.get('model')}), "
+          f"{machine['cores']} logical CPUs, {fastattn.get_num_threads()} threads; fastattn level {machine['fastattn_isa']}")
+    print(format_table(rows, ceiling))
+    print("ceilings: " + ", ".join(f"{key} {value:.1f}" for key, value in ceiling.items()) + f"; BLAS: {blas_description()}")
     ratios = summary(rows)
     print("fastattn cpu / torch: " + ", ".join(f"{key} {value:.2f}x" for key, value in ratios.items()))
     report: dict[str, Any] = {
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "machine": {"processor": platform.processor(), "cores": os.cpu_count(), "python": platform.python_version()},
+        "machine": machine,
         "threads": fastattn.get_num_threads(),
         "torch": None if torch is None else torch.__version__,
         "numpy": np.__version__,
         "blas": blas_description(),
-        "openblas_env": {key: os.environ.get(key) for key in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")},
-        "sgemm_gflops": sgemm,
+        "openblas_env": {key: os.environ.get(key) for key in OPENBLAS_VARIABLES},
+        "ceilings": ceiling,
+        "sgemm_gflops": ceiling["sgemm"],
         "repeats": arguments.repeats,
         "rows": rows,
         "ratios_vs_torch": ratios,

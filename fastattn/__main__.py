@@ -30,10 +30,15 @@ def _cpu_build_lines() -> list[str]:
         from ._cpu import _runtime
     except ImportError as error:
         return [f"cpu kernels: not built or not importable ({error})"]
+    from ._cpu import isa
+
     openmp = f"OpenMP {_runtime.openmp_version()}" if _runtime.openmp_enabled() else "no OpenMP (serial kernels)"
-    vector = _runtime.vector_bytes()
+    active = next(level for level in isa.levels() if level.name == isa.active())
+    built = ", ".join(level.name + ("" if level.runs else " (not on this CPU)") for level in isa.levels())
     return [
-        f"cpu kernels: {_runtime.compiler()}, {openmp}, {vector}-byte SIMD vectors ({vector // 4} float32 lanes)",
+        f"cpu kernels: {_runtime.compiler()}, {openmp}",
+        f"cpu instruction set: {active.name}, {active.vector_bytes}-byte vectors ({active.vector_bytes // 4} float32 "
+        f"lanes); built: {built}; {isa.ENVIRONMENT_VARIABLE} forces a lower level",
         f"threads: {_threads.get_num_threads()} (fastattn.set_num_threads; default from OMP_NUM_THREADS), "
         f"{os.cpu_count()} logical CPUs",
     ]

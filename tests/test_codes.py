@@ -11,7 +11,7 @@ from fastattn import _codes
 from fastattn._gpu import params
 
 PACKAGE = Path(_codes.__file__).parent
-CPU_HEADER = PACKAGE / "_cpu" / "flash_forward.h"
+CPU_HEADER = PACKAGE / "_cpu" / "params.h"
 GPU_HEADER = PACKAGE / "_gpu" / "kernels" / "common.cuh"
 
 

@@ -7,7 +7,9 @@ A plan (:class:`ForwardPlan`, :class:`BackwardPlan`) fills the kernels' paramete
 one plan per problem, so a repeated call only copies that struct, sets the arrays' addresses and
 strides (numpy's C API: no Python objects are made), and runs the work items in OpenMP ``prange``
 loops with the GIL released, on scratch the calling thread keeps (``thread_scratch.h``).  The arithmetic lives in
-``flash_forward.h`` (forward, decode, split-KV merge) and ``flash_backward.h``.
+``flash_forward.h`` (forward, decode, split-KV merge) and ``flash_backward.h``, compiled once per
+instruction-set level (``kernels.cpp``); a plan runs the table (``kernel_table.h``) of the level that
+was active when it was built (:func:`use_isa`; ``fastattn._cpu.isa`` chooses at import).
 """
 
 cimport numpy as cnp
@@ -32,7 +34,7 @@ cdef extern from "thread_scratch.h" namespace "fastattn" nogil:
 
     char* thread_scratch(int slot, size_t size)
 
-cdef extern from "flash_forward.h" namespace "fastattn" nogil:
+cdef extern from "params.h" namespace "fastattn" nogil:
     cdef enum DtypeCode:
         DTYPE_FLOAT64
 
@@ -71,7 +73,6 @@ cdef extern from "flash_forward.h" namespace "fastattn" nogil:
         unsigned int dropout_offset
         unsigned long long dropout_threshold
 
-cdef extern from "flash_backward.h" namespace "fastattn" nogil:
     cdef struct BwdParams:
         FwdParams f
         const char* dout
@@ -87,18 +88,79 @@ cdef extern from "flash_backward.h" namespace "fastattn" nogil:
         char* delta
         int64_t key_blocks
 
-cdef extern from "flash_backward.h" nogil:
-    size_t fa_backward_scratch_bytes(const BwdParams* p)
-    void fa_backward_delta(const BwdParams* p, int64_t index)
-    void fa_backward_dkdv(const BwdParams* p, char* scratch, int64_t item)
-    void fa_backward_dq(const BwdParams* p, char* scratch, int64_t item)
+    int64_t forward_items(const FwdParams& p)
+    int64_t forward_partial_rows(const FwdParams& p)
 
-cdef extern from "flash_forward.h" nogil:
-    size_t fa_forward_scratch_bytes(const FwdParams* p)
-    size_t fa_forward_partial_elements(const FwdParams* p)
-    int64_t fa_forward_items(const FwdParams* p)
-    void fa_forward_item(const FwdParams* p, char* scratch, int64_t item)
-    void fa_forward_combine(const FwdParams* p, int64_t index)
+cdef extern from "kernel_table.h" namespace "fastattn" nogil:
+    ctypedef void (*ItemFunction)(const void* params, char* scratch, int64_t item) noexcept nogil
+
+    cdef struct KernelTable:
+        const char* name
+        int vector_bytes
+        size_t (*forward_scratch_bytes)(const FwdParams* params) noexcept nogil
+        ItemFunction forward_item
+        ItemFunction forward_combine
+        size_t (*backward_scratch_bytes)(const BwdParams* params) noexcept nogil
+        ItemFunction backward_delta
+        ItemFunction backward_dkdv
+        ItemFunction backward_dq
+
+cdef extern from "dispatch.h" namespace "fastattn" nogil:
+    cdef struct IsaLevel:
+        const KernelTable* table
+        bint runs
+
+    int build_levels(IsaLevel* levels)
+
+
+cdef IsaLevel _levels[4]
+cdef int _level_count = build_levels(_levels)
+#: The level new plans run (use_isa); the highest the CPU runs until fastattn._cpu.isa chooses.
+cdef const KernelTable* _active = NULL
+for _index in range(_level_count):
+    if _levels[_index].runs:
+        _active = _levels[_index].table
+
+
+def isa_levels():
+    """Return the kernels' instruction-set levels in this build, lowest first.
+
+    Returns
+    -------
+    list of (str, int, bool)
+        ``(name, vector_bytes, runs)``: the level's name (``"generic"``, ``"avx2"``, ``"avx512"``,
+        or ``"native"`` for a ``FASTATTN_NATIVE=1`` build), the width of its vectors in bytes, and
+        whether this CPU can run it.
+    """
+    return [
+        (_levels[i].table.name.decode("ascii"), _levels[i].table.vector_bytes, bool(_levels[i].runs))
+        for i in range(_level_count)
+    ]
+
+
+def use_isa(str name):
+    """Make plans built from now on run the kernels of level ``name``.
+
+    Raises
+    ------
+    ValueError
+        When the build has no such level or this CPU cannot run it.
+    """
+    global _active
+    cdef int i
+    for i in range(_level_count):
+        if _levels[i].table.name.decode("ascii") == name:
+            if not _levels[i].runs:
+                raise ValueError(f"instruction-set level {name!r}: this CPU cannot run it")
+            _active = _levels[i].table
+            return
+    built = ", ".join(level[0] for level in isa_levels())
+    raise ValueError(f"instruction-set level: expected one of this build's ({built}), received {name!r}")
+
+
+def active_isa():
+    """Return the name of the level new plans run."""
+    return _active.name.decode("ascii")
 
 
 cdef inline char* _data(array):
@@ -201,9 +263,6 @@ cdef char* _scratch(int slot, size_t size) except NULL:
     return block
 
 
-ctypedef void (*ItemFunction)(const void* params, char* scratch, int64_t item) noexcept nogil
-
-
 cdef void _for_items(ItemFunction run, const void* params, char* scratch, size_t scratch_bytes, int64_t items,
                      int threads, bint dynamic) noexcept nogil:
     """``run(params, this thread's scratch, item)`` for every item, on ``threads`` OpenMP threads.
@@ -223,26 +282,6 @@ cdef void _for_items(ItemFunction run, const void* params, char* scratch, size_t
             run(params, scratch + omp_get_thread_num() * scratch_bytes, index)
 
 
-cdef void _forward_item(const void* p, char* scratch, int64_t item) noexcept nogil:
-    fa_forward_item(<const FwdParams*> p, scratch, item)
-
-
-cdef void _combine_item(const void* p, char* scratch, int64_t item) noexcept nogil:
-    fa_forward_combine(<const FwdParams*> p, item)
-
-
-cdef void _delta_item(const void* p, char* scratch, int64_t item) noexcept nogil:
-    fa_backward_delta(<const BwdParams*> p, item)
-
-
-cdef void _dkdv_item(const void* p, char* scratch, int64_t item) noexcept nogil:
-    fa_backward_dkdv(<const BwdParams*> p, scratch, item)
-
-
-cdef void _dq_item(const void* p, char* scratch, int64_t item) noexcept nogil:
-    fa_backward_dq(<const BwdParams*> p, scratch, item)
-
-
 cdef class ForwardPlan:
     """The forward kernel's parameters for one problem: fill once, run many times.
 
@@ -257,6 +296,7 @@ cdef class ForwardPlan:
     """
 
     cdef FwdParams template
+    cdef const KernelTable* kernels
     cdef int64_t items
     cdef int thread_count
     cdef size_t scratch_bytes
@@ -269,10 +309,11 @@ cdef class ForwardPlan:
     def __init__(self, problem, int64_t block_queries, int64_t key_tile, int64_t splits, int threads):
         _fill_from_problem(&self.template, problem, block_queries, key_tile)
         self.template.splits = splits
-        self.items = fa_forward_items(&self.template)
+        self.kernels = _active
+        self.items = forward_items(self.template)
         self.thread_count = max(1, min(threads, self.items))
-        self.scratch_bytes = (fa_forward_scratch_bytes(&self.template) + 63) // 64 * 64
-        self.partial_elements = fa_forward_partial_elements(&self.template) if splits > 1 else 0
+        self.scratch_bytes = (self.kernels.forward_scratch_bytes(&self.template) + 63) // 64 * 64
+        self.partial_elements = forward_partial_rows(self.template) if splits > 1 else 0
         self.swap = problem.layout == "bshd"
         shape = (problem.batch, problem.heads_q, problem.seq_q, problem.head_dim_v)
         self.out_shape = (shape[0], shape[2], shape[1], shape[3]) if self.swap else shape
@@ -286,6 +327,11 @@ cdef class ForwardPlan:
     def threads(self):
         """The OpenMP threads a run uses."""
         return self.thread_count
+
+    @property
+    def isa(self):
+        """The instruction-set level whose kernels a run calls."""
+        return self.kernels.name.decode("ascii")
 
     def run(self, q, k, v, extras):
         """Run the flash forward.
@@ -327,9 +373,9 @@ cdef class ForwardPlan:
         return out, lse
 
     cdef void _pass(self, FwdParams* p, char* scratch) noexcept nogil:
-        _for_items(_forward_item, p, scratch, self.scratch_bytes, self.items, self.thread_count, True)
+        _for_items(self.kernels.forward_item, p, scratch, self.scratch_bytes, self.items, self.thread_count, True)
         if p.splits > 1:
-            _for_items(_combine_item, p, NULL, 0, p.batch * p.heads_kv * p.query_blocks, self.thread_count, False)
+            _for_items(self.kernels.forward_combine, p, NULL, 0, p.batch * p.heads_kv * p.query_blocks, self.thread_count, False)
 
 
 cdef class BackwardPlan:
@@ -346,6 +392,7 @@ cdef class BackwardPlan:
     """
 
     cdef BwdParams template
+    cdef const KernelTable* kernels
     cdef int thread_count
     cdef size_t scratch_bytes
     cdef tuple shapes
@@ -357,8 +404,9 @@ cdef class BackwardPlan:
         memset(&self.template, 0, sizeof(BwdParams))
         _fill_from_problem(&self.template.f, problem, block_queries, key_tile)
         self.template.key_blocks = (self.template.f.seq_k + key_tile - 1) // key_tile
+        self.kernels = _active
         self.thread_count = max(1, threads)
-        self.scratch_bytes = (fa_backward_scratch_bytes(&self.template) + 63) // 64 * 64
+        self.scratch_bytes = (self.kernels.backward_scratch_bytes(&self.template) + 63) // 64 * 64
         self.swap = problem.layout == "bshd"
         b, hq, hkv, sq, sk = problem.batch, problem.heads_q, problem.heads_kv, problem.seq_q, problem.seq_k
         shapes = ((b, hq, sq, problem.head_dim), (b, hkv, sk, problem.head_dim), (b, hkv, sk, problem.head_dim_v))
@@ -370,6 +418,11 @@ cdef class BackwardPlan:
     def threads(self):
         """The OpenMP threads a run uses."""
         return self.thread_count
+
+    @property
+    def isa(self):
+        """The instruction-set level whose kernels a run calls."""
+        return self.kernels.name.decode("ascii")
 
     def run(self, dout, q, k, v, out, lse, extras):
         """Run the flash backward.
@@ -404,7 +457,7 @@ cdef class BackwardPlan:
         p.delta = _scratch(SCRATCH_ROWS, rows * compute_bytes)
         p.f.nonfinite_output = &nonfinite
         with nogil:
-            _for_items(_delta_item, &p, NULL, 0, rows, self.thread_count, False)
+            _for_items(self.kernels.backward_delta, &p, NULL, 0, rows, self.thread_count, False)
             self._gradient_passes(&p, scratch)
             if nonfinite:  # see note_stored in flash_forward.h: rerun skipping zero-weight products
                 p.f.skip_zero_weights = 1
@@ -414,5 +467,5 @@ cdef class BackwardPlan:
     cdef void _gradient_passes(self, BwdParams* p, char* scratch) noexcept nogil:
         cdef int64_t key_items = p.f.batch * p.f.heads_kv * p.key_blocks
         cdef int64_t query_items = p.f.batch * p.f.heads_kv * p.f.query_blocks
-        _for_items(_dkdv_item, p, scratch, self.scratch_bytes, key_items, self.thread_count, True)
-        _for_items(_dq_item, p, scratch, self.scratch_bytes, query_items, self.thread_count, True)
+        _for_items(self.kernels.backward_dkdv, p, scratch, self.scratch_bytes, key_items, self.thread_count, True)
+        _for_items(self.kernels.backward_dq, p, scratch, self.scratch_bytes, query_items, self.thread_count, True)

@@ -2,8 +2,9 @@
 """What the compiled CPU extension was built with, and its OpenMP thread count.
 
 The registry reports these facts (``fastattn.backends.available()``, ``python -m fastattn info``).
-setup.py compiles this module with the flash kernels' own flags and headers (``_omp_shim.h``,
-``simd.h``), so the compiler, OpenMP and vector width it reports are those of the kernels.
+setup.py compiles this module with the flash extension's compiler and OpenMP flags
+(``_omp_shim.h``), so the compiler and OpenMP it reports are those of the kernels; the kernels'
+instruction-set levels and vector widths are ``fastattn._cpu.isa``'s to report.
 """
 
 cdef extern from "_omp_shim.h":
@@ -14,7 +15,6 @@ cdef extern from "_omp_shim.h":
 
 cdef extern from *:
     """
-    #include "simd.h"
     #if defined(__clang__)
     static const char *fastattn_compiler = "Clang " __clang_version__;
     #elif defined(__GNUC__)
@@ -22,10 +22,8 @@ cdef extern from *:
     #else
     static const char *fastattn_compiler = "an unidentified compiler";
     #endif
-    static const int fastattn_vector_bytes = FASTATTN_VECTOR_BYTES;
     """
     const char *fastattn_compiler
-    const int fastattn_vector_bytes
 
 
 def openmp_enabled():
@@ -41,11 +39,6 @@ def openmp_version():
 def compiler():
     """Return the compiler and version that built the kernels, e.g. ``"GCC 12.2.0"``."""
     return fastattn_compiler.decode("utf-8", "replace")
-
-
-def vector_bytes():
-    """Return the SIMD vector width the kernels were compiled for, in bytes (32: AVX2, 64: AVX-512)."""
-    return fastattn_vector_bytes
 
 
 def max_threads():

@@ -26,18 +26,8 @@
 #include "flash_forward.h"
 
 namespace fastattn {
+inline namespace FASTATTN_ISA_NAMESPACE {
 
-struct BwdParams {
-    FwdParams f; /* q, k, v, the saved lse (read), sizes, flags, mask, key_lengths, tiles */
-    const char* dout;
-    const char* out;
-    char* dq;
-    char* dk;
-    char* dv;
-    int64_t dout_stride[3], o_stride[3], dq_stride[3], dk_stride[3], dv_stride[3]; /* b, h, s */
-    char* delta; /* compute type, [B][Hq][Sq] */
-    int64_t key_blocks;
-};
 
 /* C[m][cols] += sum_r A[m][r] * B[r][cols] for MR rows of A (stride mp) and NV vectors of columns. */
 template <typename T, int MR, int NV, bool Skip>
@@ -341,40 +331,7 @@ static void dq_item(const BwdParams& bp, char* scratch, int64_t item) {
         dq_block<T, In, 2>(bp, buffer, b, kvh, q0, qn);
 }
 
+}  // namespace FASTATTN_ISA_NAMESPACE
 }  // namespace fastattn
-
-/* ---- the entry points Cython calls ------------------------------------------------------------------ */
-
-#define FASTATTN_DISPATCH(CALL)                                                      \
-    switch (p->f.dtype) {                                                            \
-        case fastattn::DTYPE_FLOAT32: CALL(float, float); break;                     \
-        case fastattn::DTYPE_FLOAT64: CALL(double, double); break;                   \
-        case fastattn::DTYPE_FLOAT16: CALL(float, fastattn::half_bits); break;       \
-        case fastattn::DTYPE_BFLOAT16: CALL(float, fastattn::bfloat16_bits); break;  \
-        default: break;                                                              \
-    }
-
-static inline size_t fa_backward_scratch_bytes(const fastattn::BwdParams* p) {
-    if (p->f.dtype == fastattn::DTYPE_FLOAT64) return sizeof(double) * fastattn::backward_scratch_elements<double>(*p);
-    return sizeof(float) * fastattn::backward_scratch_elements<float>(*p);
-}
-
-static inline void fa_backward_delta(const fastattn::BwdParams* p, int64_t index) {
-#define FASTATTN_CALL(T, In) fastattn::delta_row<T, In>(*p, index)
-    FASTATTN_DISPATCH(FASTATTN_CALL)
-#undef FASTATTN_CALL
-}
-
-static inline void fa_backward_dkdv(const fastattn::BwdParams* p, char* scratch, int64_t item) {
-#define FASTATTN_CALL(T, In) fastattn::dkdv_item<T, In>(*p, scratch, item)
-    FASTATTN_DISPATCH(FASTATTN_CALL)
-#undef FASTATTN_CALL
-}
-
-static inline void fa_backward_dq(const fastattn::BwdParams* p, char* scratch, int64_t item) {
-#define FASTATTN_CALL(T, In) fastattn::dq_item<T, In>(*p, scratch, item)
-    FASTATTN_DISPATCH(FASTATTN_CALL)
-#undef FASTATTN_CALL
-}
 
 #endif

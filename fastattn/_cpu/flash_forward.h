@@ -40,46 +40,14 @@
 #include <limits>
 #include <type_traits>
 
+#include "isa.h"
+#include "params.h"
 #include "philox.h"
 #include "simd.h"
 
 namespace fastattn {
+inline namespace FASTATTN_ISA_NAMESPACE {
 
-// The numbers of fastattn/_codes.py (tests/test_codes.py checks them against it and the CUDA headers).
-enum DtypeCode { DTYPE_FLOAT32 = 0, DTYPE_FLOAT64 = 1, DTYPE_FLOAT16 = 2, DTYPE_BFLOAT16 = 3 };
-enum MaskKind { MASK_NONE = 0, MASK_BOOL = 1, MASK_FLOAT32 = 2, MASK_FLOAT64 = 3, MASK_FLOAT16 = 4, MASK_BFLOAT16 = 5 };
-
-struct FwdParams {
-    const char* q;
-    const char* k;
-    const char* v;
-    char* out;
-    char* lse;
-    int64_t q_stride[3], k_stride[3], v_stride[3], out_stride[3], lse_stride[3]; /* b, h, s; in elements */
-    int64_t batch, heads_q, heads_kv, seq_q, seq_k, head_dim, head_dim_v, group;
-    int dtype;
-    double scale;
-    double softcap; /* 0: none */
-    int causal;
-    int64_t offset; /* query i sits at key position i + offset (Sk - Sq for bottom-right) */
-    int64_t window_left, window_right; /* -1: unbounded */
-    const char* mask;
-    int mask_kind;
-    int64_t mask_stride[4]; /* b, h, i, j; 0 on broadcast axes */
-    const int64_t* key_lengths; /* NULL: all Sk keys */
-    int64_t block_queries;      /* query positions per item */
-    int64_t query_blocks;       /* ceil(Sq / block_queries) */
-    int64_t key_tile;
-    int64_t splits;       /* key splits per (b, kv head, query block); > 1 only for decode */
-    char* partial_out;    /* splits > 1: [items][splits][rows][Dv] in the compute type */
-    char* partial_lse;    /* splits > 1: [items][splits][rows] */
-    int skip_zero_weights; /* products whose weight (P or dS) is exactly 0 are skipped, not added */
-    int* nonfinite_output; /* set to 1 (relaxed atomic) when a NaN or infinity is stored in a result */
-    double dropout_p;      /* 0: no dropout */
-    unsigned int dropout_key[2];
-    unsigned int dropout_offset;
-    unsigned long long dropout_threshold; /* keep iff word >= threshold (2^32 for p = 1) */
-};
 
 /* Non-finite inputs.  A product weight * value with weight exactly 0 (a hidden key, or exp
  * underflow) is 0 in exact arithmetic, but 0 * inf and 0 * NaN are NaN: a NaN in V at a key a
@@ -676,8 +644,6 @@ static inline ItemIndex decode_item(const FwdParams& p, int64_t item) {
     return index;
 }
 
-static inline int64_t forward_items(const FwdParams& p) { return p.batch * p.heads_kv * p.query_blocks * p.splits; }
-
 static inline int64_t split_length(const FwdParams& p) {
     return round_up((p.seq_k + p.splits - 1) / p.splits, p.key_tile);
 }
@@ -759,41 +725,7 @@ static void combine_item(const FwdParams& p, int64_t index) {
     }
 }
 
+}  // namespace FASTATTN_ISA_NAMESPACE
 }  // namespace fastattn
-
-/* ---- the entry points Cython calls ------------------------------------------------------------------ */
-
-static inline size_t fa_forward_scratch_bytes(const fastattn::FwdParams* p) {
-    if (p->dtype == fastattn::DTYPE_FLOAT64) return sizeof(double) * fastattn::scratch_elements<double>(*p);
-    return sizeof(float) * fastattn::scratch_elements<float>(*p);
-}
-
-static inline size_t fa_forward_partial_elements(const fastattn::FwdParams* p) {
-    return (size_t)(p->batch * p->heads_kv * p->query_blocks * p->splits * p->group * p->block_queries);
-}
-
-static inline int64_t fa_forward_items(const fastattn::FwdParams* p) { return fastattn::forward_items(*p); }
-
-static inline void fa_forward_item(const fastattn::FwdParams* p, char* scratch, int64_t item) {
-    using namespace fastattn;
-    switch (p->dtype) {
-        case DTYPE_FLOAT32: run_item<float, float>(*p, scratch, item); break;
-        case DTYPE_FLOAT64: run_item<double, double>(*p, scratch, item); break;
-        case DTYPE_FLOAT16: run_item<float, half_bits>(*p, scratch, item); break;
-        case DTYPE_BFLOAT16: run_item<float, bfloat16_bits>(*p, scratch, item); break;
-        default: break;
-    }
-}
-
-static inline void fa_forward_combine(const fastattn::FwdParams* p, int64_t index) {
-    using namespace fastattn;
-    switch (p->dtype) {
-        case DTYPE_FLOAT32: combine_item<float, float>(*p, index); break;
-        case DTYPE_FLOAT64: combine_item<double, double>(*p, index); break;
-        case DTYPE_FLOAT16: combine_item<float, half_bits>(*p, index); break;
-        case DTYPE_BFLOAT16: combine_item<float, bfloat16_bits>(*p, index); break;
-        default: break;
-    }
-}
 
 #endif

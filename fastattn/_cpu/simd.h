@@ -2,8 +2,8 @@
  *
  * The kernels are written once over Vec<T>::type (T = float or double).  The width is the widest
  * register the compiler targets: 64 bytes with AVX-512 (16 floats), else 32 bytes (AVX2: 8 floats;
- * on other targets the compiler splits it into what the machine has).  setup.py compiles with
- * -march=native by default, so a source build uses the machine's own vector unit.
+ * on other targets the compiler splits it into what the machine has).  setup.py compiles this
+ * code once per instruction-set level (isa.h), so each level's kernels use its own registers.
  *
  * Also here: a vectorised exp for float (Cephes' polynomial with exact 2^n scaling, ~1 ulp, and
  * exactly 0 below the underflow threshold, so exp(-inf) = 0 as masking needs) and the bit-level
@@ -17,6 +17,8 @@
 #include <cstring>
 #include <utility>
 
+#include "isa.h"
+
 #if defined(__AVX512F__)
 #define FASTATTN_VECTOR_BYTES 64
 #else
@@ -24,6 +26,7 @@
 #endif
 
 namespace fastattn {
+inline namespace FASTATTN_ISA_NAMESPACE {
 
 template <typename T> struct Vec;
 
@@ -234,6 +237,7 @@ template <> struct Store<bfloat16_bits> { static inline bfloat16_bits from(float
 template <typename T, typename In> static inline T load_as(In x) { return (T)to_float(x); }
 template <> inline double load_as<double, double>(double x) { return x; }
 
+}  // namespace FASTATTN_ISA_NAMESPACE
 }  // namespace fastattn
 
 #endif

@@ -2,7 +2,8 @@
 
 The kernels live in ``fastattn._cpu._flash``: see ``fastattn/_cpu/flash_forward.h`` (forward and
 the decode path, Sq <= 16 with split keys) and ``fastattn/_cpu/flash_backward.h`` for the
-algorithms and tile sizes.  Every contract feature is handled inside the kernels.
+algorithms and tile sizes.  Every contract feature is handled inside the kernels.  They are built
+for several instruction-set levels; ``fastattn._cpu.isa`` says which runs (``FASTATTN_ISA``).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import math
 from typing import Any
 
 from .. import _threads
-from .._cpu import _flash, _runtime
+from .._cpu import _flash, _runtime, isa
 from .._problem import AttentionExtras, AttentionProblem
 
 #: Query rows (all heads of a GQA group together) per work item; keys per tile.
@@ -22,12 +23,12 @@ DECODE_MAX_QUERIES = 16
 
 
 def build_summary() -> str:
-    """Return e.g. ``"OpenMP 201511, 2 threads"`` or ``"serial build (no OpenMP), 1 thread"``."""
+    """Return e.g. ``"avx512, OpenMP 201511, 2 threads"`` or ``"generic, serial build (no OpenMP), 1 thread"``."""
     threads = _threads.get_num_threads()
     plural = "thread" if threads == 1 else "threads"
     if _runtime.openmp_enabled():
-        return f"OpenMP {_runtime.openmp_version()}, {threads} {plural}"
-    return f"serial build (no OpenMP), {threads} {plural}"
+        return f"{isa.active()}, OpenMP {_runtime.openmp_version()}, {threads} {plural}"
+    return f"{isa.active()}, serial build (no OpenMP), {threads} {plural}"
 
 
 def plan(problem: AttentionProblem, threads: int) -> tuple[int, int]:
@@ -59,7 +60,7 @@ def _threads_for(problem: AttentionProblem, threads: int) -> int:
 
 #: How many plans each direction keeps before it starts afresh.
 PLANS_KEPT = 256
-_forward_plans: dict[tuple[int, int], tuple[AttentionProblem, _flash.ForwardPlan]] = {}
+_forward_plans: dict[tuple[int, int, str], tuple[AttentionProblem, _flash.ForwardPlan]] = {}
 
 
 def forward_plan(problem: AttentionProblem, threads: int) -> _flash.ForwardPlan:
@@ -67,8 +68,10 @@ def forward_plan(problem: AttentionProblem, threads: int) -> _flash.ForwardPlan:
 
     Kept by the problem's identity (validation hands out one object per distinct problem), as the
     registry keeps its selections: an equal problem of another identity only builds its own plan.
+    A plan runs the instruction-set level active when it was built, so the level is in the key.
     """
-    kept = _forward_plans.get((id(problem), threads))
+    key = (id(problem), threads, isa.active())
+    kept = _forward_plans.get(key)
     if kept is not None and kept[0] is problem:
         return kept[1]
     used = _threads_for(problem, threads)
@@ -76,24 +79,25 @@ def forward_plan(problem: AttentionProblem, threads: int) -> _flash.ForwardPlan:
     built = _flash.ForwardPlan(problem, block_queries, KEY_TILE, splits, used)
     if len(_forward_plans) >= PLANS_KEPT:
         _forward_plans.clear()
-    _forward_plans[(id(problem), threads)] = (problem, built)
+    _forward_plans[key] = (problem, built)
     return built
 
 
-_backward_plans: dict[tuple[int, int], tuple[AttentionProblem, _flash.BackwardPlan]] = {}
+_backward_plans: dict[tuple[int, int, str], tuple[AttentionProblem, _flash.BackwardPlan]] = {}
 
 
 def backward_plan(problem: AttentionProblem, threads: int) -> _flash.BackwardPlan:
     """The backward kernels' parameters for ``problem`` with ``threads`` configured, built once
     (kept like :func:`forward_plan`'s)."""
-    kept = _backward_plans.get((id(problem), threads))
+    key = (id(problem), threads, isa.active())
+    kept = _backward_plans.get(key)
     if kept is not None and kept[0] is problem:
         return kept[1]
     block_queries = max(1, TILE_ROWS // problem.group_size)
     built = _flash.BackwardPlan(problem, block_queries, KEY_TILE, _threads_for(problem, threads))
     if len(_backward_plans) >= PLANS_KEPT:
         _backward_plans.clear()
-    _backward_plans[(id(problem), threads)] = (problem, built)
+    _backward_plans[key] = (problem, built)
     return built
 
 

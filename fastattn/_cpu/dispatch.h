@@ -1,0 +1,66 @@
+/* The instruction-set levels this build holds, lowest first, and which of them the CPU can run.
+ *
+ * setup.py defines FASTATTN_LEVEL_<NAME> for each level it compiled kernels.cpp for; this header
+ * (compiled into _flash with baseline flags) declares their tables.  A level runs where CPUID
+ * reports every extension its flags enable and the OS saves the registers it uses; GCC's and
+ * Clang's __builtin_cpu_supports check both (XGETBV for the AVX and AVX-512 state).  The native
+ * level (FASTATTN_NATIVE=1, -march=native) is taken to run on the machine that built it.
+ * fastattn/_cpu/isa.py chooses among the runnable levels (the highest, or FASTATTN_ISA).
+ */
+#ifndef FASTATTN_DISPATCH_H
+#define FASTATTN_DISPATCH_H
+
+#include "kernel_table.h"
+
+namespace fastattn {
+
+#if defined(FASTATTN_LEVEL_GENERIC)
+namespace isa_generic { const KernelTable* kernel_table(); }
+#endif
+#if defined(FASTATTN_LEVEL_AVX2)
+namespace isa_avx2 { const KernelTable* kernel_table(); }
+#endif
+#if defined(FASTATTN_LEVEL_AVX512)
+namespace isa_avx512 { const KernelTable* kernel_table(); }
+#endif
+#if defined(FASTATTN_LEVEL_NATIVE)
+namespace isa_native { const KernelTable* kernel_table(); }
+#endif
+
+#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+static inline bool cpu_runs_avx2() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
+static inline bool cpu_runs_avx512() {
+    return cpu_runs_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+}
+#else
+static inline bool cpu_runs_avx2() { return false; }
+static inline bool cpu_runs_avx512() { return false; }
+#endif
+
+struct IsaLevel {
+    const KernelTable* table;
+    bool runs; /* this CPU can run it */
+};
+
+/* The build's levels, lowest first, into `levels` (room for 4); returns how many. */
+static inline int build_levels(IsaLevel* levels) {
+    int count = 0;
+#if defined(FASTATTN_LEVEL_GENERIC)
+    levels[count++] = IsaLevel{isa_generic::kernel_table(), true};
+#endif
+#if defined(FASTATTN_LEVEL_AVX2)
+    levels[count++] = IsaLevel{isa_avx2::kernel_table(), cpu_runs_avx2()};
+#endif
+#if defined(FASTATTN_LEVEL_AVX512)
+    levels[count++] = IsaLevel{isa_avx512::kernel_table(), cpu_runs_avx512()};
+#endif
+#if defined(FASTATTN_LEVEL_NATIVE)
+    levels[count++] = IsaLevel{isa_native::kernel_table(), true};
+#endif
+    return count;
+}
+
+}  // namespace fastattn
+
+#endif

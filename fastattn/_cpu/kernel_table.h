@@ -1,0 +1,34 @@
+/* The entry points of one instruction-set level's kernels, as a table of function pointers.
+ *
+ * kernels.cpp defines `const KernelTable* fastattn::isa_<level>::kernel_table()` for each level it
+ * is compiled for; dispatch.h lists the levels of the build and says which the CPU can run.  The
+ * item functions share one signature so the Cython plans hand them straight to their OpenMP loops.
+ */
+#ifndef FASTATTN_KERNEL_TABLE_H
+#define FASTATTN_KERNEL_TABLE_H
+
+#include <cstddef>
+#include <cstdint>
+
+#include "params.h"
+
+namespace fastattn {
+
+/* run(params, this thread's scratch, item): params is a FwdParams (forward_*) or BwdParams (backward_*). */
+typedef void (*ItemFunction)(const void* params, char* scratch, int64_t item);
+
+struct KernelTable {
+    const char* name; /* "generic", "avx2", "avx512" or "native" */
+    int vector_bytes; /* the width of the kernels' vectors: 32, or 64 with AVX-512 */
+    size_t (*forward_scratch_bytes)(const FwdParams* params); /* per thread */
+    ItemFunction forward_item;                                 /* one (b, kv head, query block, split) */
+    ItemFunction forward_combine;                              /* merge one item's splits by lse */
+    size_t (*backward_scratch_bytes)(const BwdParams* params);
+    ItemFunction backward_delta; /* one query row's delta = dO . O */
+    ItemFunction backward_dkdv;  /* one (b, kv head, key block) */
+    ItemFunction backward_dq;    /* one (b, kv head, query block) */
+};
+
+}  // namespace fastattn
+
+#endif

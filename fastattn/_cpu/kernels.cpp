@@ -1,0 +1,78 @@
+/* One instruction-set level's CPU kernels and their table (kernel_table.h).
+ *
+ * setup.py compiles this file once per level, with that level's target flags and
+ * -DFASTATTN_ISA_NAMESPACE=isa_<level> -DFASTATTN_ISA_NAME="<level>" (isa.h), and links the objects
+ * into fastattn._cpu._flash, whose dispatch (dispatch.h) calls the table of the level it chose.
+ */
+#include "flash_backward.h"
+#include "kernel_table.h"
+
+namespace fastattn {
+inline namespace FASTATTN_ISA_NAMESPACE {
+
+#define FASTATTN_BY_DTYPE(CODE, CALL)                             \
+    switch (CODE) {                                               \
+        case DTYPE_FLOAT32: CALL(float, float); break;            \
+        case DTYPE_FLOAT64: CALL(double, double); break;          \
+        case DTYPE_FLOAT16: CALL(float, half_bits); break;        \
+        case DTYPE_BFLOAT16: CALL(float, bfloat16_bits); break;   \
+        default: break;                                           \
+    }
+
+static size_t forward_scratch_bytes(const FwdParams* p) {
+    if (p->dtype == DTYPE_FLOAT64) return sizeof(double) * scratch_elements<double>(*p);
+    return sizeof(float) * scratch_elements<float>(*p);
+}
+
+static void forward_item(const void* params, char* scratch, int64_t item) {
+    const FwdParams& p = *static_cast<const FwdParams*>(params);
+#define FASTATTN_CALL(T, In) run_item<T, In>(p, scratch, item)
+    FASTATTN_BY_DTYPE(p.dtype, FASTATTN_CALL)
+#undef FASTATTN_CALL
+}
+
+static void forward_combine(const void* params, char*, int64_t index) {
+    const FwdParams& p = *static_cast<const FwdParams*>(params);
+#define FASTATTN_CALL(T, In) combine_item<T, In>(p, index)
+    FASTATTN_BY_DTYPE(p.dtype, FASTATTN_CALL)
+#undef FASTATTN_CALL
+}
+
+static size_t backward_scratch_bytes(const BwdParams* p) {
+    if (p->f.dtype == DTYPE_FLOAT64) return sizeof(double) * backward_scratch_elements<double>(*p);
+    return sizeof(float) * backward_scratch_elements<float>(*p);
+}
+
+static void backward_delta(const void* params, char*, int64_t index) {
+    const BwdParams& p = *static_cast<const BwdParams*>(params);
+#define FASTATTN_CALL(T, In) delta_row<T, In>(p, index)
+    FASTATTN_BY_DTYPE(p.f.dtype, FASTATTN_CALL)
+#undef FASTATTN_CALL
+}
+
+static void backward_dkdv(const void* params, char* scratch, int64_t item) {
+    const BwdParams& p = *static_cast<const BwdParams*>(params);
+#define FASTATTN_CALL(T, In) dkdv_item<T, In>(p, scratch, item)
+    FASTATTN_BY_DTYPE(p.f.dtype, FASTATTN_CALL)
+#undef FASTATTN_CALL
+}
+
+static void backward_dq(const void* params, char* scratch, int64_t item) {
+    const BwdParams& p = *static_cast<const BwdParams*>(params);
+#define FASTATTN_CALL(T, In) dq_item<T, In>(p, scratch, item)
+    FASTATTN_BY_DTYPE(p.f.dtype, FASTATTN_CALL)
+#undef FASTATTN_CALL
+}
+
+#undef FASTATTN_BY_DTYPE
+
+const KernelTable* kernel_table() {
+    static const KernelTable table = {
+        FASTATTN_ISA_NAME,      FASTATTN_VECTOR_BYTES, forward_scratch_bytes, forward_item, forward_combine,
+        backward_scratch_bytes, backward_delta,        backward_dkdv,         backward_dq,
+    };
+    return &table;
+}
+
+}  // namespace FASTATTN_ISA_NAMESPACE
+}  // namespace fastattn

@@ -1,0 +1,70 @@
+/* The CPU kernels' parameters: plain data, the same at every instruction-set level.
+ *
+ * The Cython plans (_flash.pyx) fill these once per problem and hand them, by pointer, to the
+ * kernel table of the level chosen at import (kernel_table.h, dispatch.h); every level's
+ * translation unit (kernels.cpp) reads the same layout.
+ */
+#ifndef FASTATTN_PARAMS_H
+#define FASTATTN_PARAMS_H
+
+#include <cstdint>
+
+namespace fastattn {
+
+// The numbers of fastattn/_codes.py (tests/test_codes.py checks them against it and the CUDA headers).
+enum DtypeCode { DTYPE_FLOAT32 = 0, DTYPE_FLOAT64 = 1, DTYPE_FLOAT16 = 2, DTYPE_BFLOAT16 = 3 };
+enum MaskKind { MASK_NONE = 0, MASK_BOOL = 1, MASK_FLOAT32 = 2, MASK_FLOAT64 = 3, MASK_FLOAT16 = 4, MASK_BFLOAT16 = 5 };
+
+struct FwdParams {
+    const char* q;
+    const char* k;
+    const char* v;
+    char* out;
+    char* lse;
+    int64_t q_stride[3], k_stride[3], v_stride[3], out_stride[3], lse_stride[3]; /* b, h, s; in elements */
+    int64_t batch, heads_q, heads_kv, seq_q, seq_k, head_dim, head_dim_v, group;
+    int dtype;
+    double scale;
+    double softcap; /* 0: none */
+    int causal;
+    int64_t offset; /* query i sits at key position i + offset (Sk - Sq for bottom-right) */
+    int64_t window_left, window_right; /* -1: unbounded */
+    const char* mask;
+    int mask_kind;
+    int64_t mask_stride[4]; /* b, h, i, j; 0 on broadcast axes */
+    const int64_t* key_lengths; /* NULL: all Sk keys */
+    int64_t block_queries;      /* query positions per item */
+    int64_t query_blocks;       /* ceil(Sq / block_queries) */
+    int64_t key_tile;
+    int64_t splits;       /* key splits per (b, kv head, query block); > 1 only for decode */
+    char* partial_out;    /* splits > 1: [items][splits][rows][Dv] in the compute type */
+    char* partial_lse;    /* splits > 1: [items][splits][rows] */
+    int skip_zero_weights; /* products whose weight (P or dS) is exactly 0 are skipped, not added */
+    int* nonfinite_output; /* set to 1 (relaxed atomic) when a NaN or infinity is stored in a result */
+    double dropout_p;      /* 0: no dropout */
+    unsigned int dropout_key[2];
+    unsigned int dropout_offset;
+    unsigned long long dropout_threshold; /* keep iff word >= threshold (2^32 for p = 1) */
+};
+
+/* Work items of the forward: (batch, kv head, query block, key split). */
+static inline int64_t forward_items(const FwdParams& p) { return p.batch * p.heads_kv * p.query_blocks * p.splits; }
+
+/* Rows of the split partials the decode path needs ([items][rows] of Dv outputs and one lse). */
+static inline int64_t forward_partial_rows(const FwdParams& p) { return forward_items(p) * p.group * p.block_queries; }
+
+struct BwdParams {
+    FwdParams f; /* q, k, v, the saved lse (read), sizes, flags, mask, key_lengths, tiles */
+    const char* dout;
+    const char* out;
+    char* dq;
+    char* dk;
+    char* dv;
+    int64_t dout_stride[3], o_stride[3], dq_stride[3], dk_stride[3], dv_stride[3]; /* b, h, s */
+    char* delta; /* compute type, [B][Hq][Sq] */
+    int64_t key_blocks;
+};
+
+}  // namespace fastattn
+
+#endif
