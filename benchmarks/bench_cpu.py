@@ -66,8 +66,13 @@ def settle() -> None:
 
 
 def timed(run: Callable[[], Any]) -> float:
-    """Seconds of one run, after the pools of whatever ran before went idle."""
+    """Seconds of one run, after the pools of whatever ran before went idle.
+
+    An untimed run comes first: after the pause the cores' clocks and the OpenMP team are asleep,
+    and waking them would be charged to whichever implementation runs first after a pause.
+    """
     settle()
+    run()
     start = time.perf_counter()
     run()
     return time.perf_counter() - start

@@ -32,8 +32,8 @@ double fma_peak_gflops(long iterations, int threads) {
         const vec a = (vec){} + 0.999999f, b = (vec){} + 1e-7f;
         for (int c = 0; c < CHAINS; ++c) acc[c] = (vec){} + (float)(c + omp_get_thread_num());
         for (long i = 0; i < iterations; ++i) {
-            for (int c = 0; c < CHAINS; ++c) acc[c] = acc[c] * a + b;
-            __asm__ volatile("" : "+x"(acc[0])); /* keeps the loop a loop, not a closed form */
+#pragma GCC unroll 16
+            for (int c = 0; c < CHAINS; ++c) acc[c] = acc[c] * a + b; /* float rules forbid a closed form */
         }
         for (int c = 0; c < CHAINS; ++c)
             for (int lane = 0; lane < LANES; ++lane) sink += acc[c][lane];
