@@ -310,7 +310,9 @@ static void delta_row(const BwdParams& bp, int64_t index) {
 template <typename T, typename In>
 static void dkdv_item(const BwdParams& bp, char* scratch, int64_t item) {
     const FwdParams& p = bp.f;
-    const int64_t kvh = item % p.heads_kv, b = (item / p.heads_kv) % p.batch, kb = item / (p.heads_kv * p.batch);
+    /* One head's key blocks consecutive: the threads share its Q and dO in cache (decode_item). */
+    const int64_t kb = item % bp.key_blocks, kvh = (item / bp.key_blocks) % p.heads_kv;
+    const int64_t b = item / (bp.key_blocks * p.heads_kv);
     T* buffer = reinterpret_cast<T*>(scratch);
     if (p.group * p.block_queries <= lanes<T>())
         dkdv_block<T, In, 1>(bp, buffer, b, kvh, kb);
@@ -321,8 +323,9 @@ static void dkdv_item(const BwdParams& bp, char* scratch, int64_t item) {
 template <typename T, typename In>
 static void dq_item(const BwdParams& bp, char* scratch, int64_t item) {
     const FwdParams& p = bp.f;
-    const int64_t kvh = item % p.heads_kv, b = (item / p.heads_kv) % p.batch;
-    const int64_t qb = p.query_blocks - 1 - item / (p.heads_kv * p.batch); /* heaviest (causal) first */
+    /* One head's query blocks consecutive, heaviest (causal) first, as decode_item orders them. */
+    const int64_t qb = p.query_blocks - 1 - item % p.query_blocks, kvh = (item / p.query_blocks) % p.heads_kv;
+    const int64_t b = item / (p.query_blocks * p.heads_kv);
     const int64_t q0 = qb * p.block_queries, qn = std::min(p.block_queries, p.seq_q - q0);
     T* buffer = reinterpret_cast<T*>(scratch);
     if (p.group * qn <= lanes<T>())

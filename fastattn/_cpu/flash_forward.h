@@ -369,12 +369,45 @@ static inline void write_row(const FwdParams& p, int64_t b, int64_t h, int64_t i
 
 /* ---- one work item ----------------------------------------------------------------------------- */
 
+/* One key tile's step of the online softmax, vectorised over rows: S[j][rows] (n keys) becomes
+ * P = exp(S - m) with m the rows' new running maximum, the running sums take the tile's P (row_sum
+ * l = l alpha + sum_j P, alpha = exp(m_old - m)), and the output accumulator O[c][rows] (Dv columns,
+ * mp apart) is rescaled by alpha.  exp(s - m) = 2^(s log2(e) - m log2(e)), one FMA and vexp2_softmax.
+ * A row whose keys so far are all hidden keeps m = -inf and exponent shift 0, so its P is 0. */
+template <typename T>
+static inline void online_softmax(T* s, int64_t n, int64_t mp, T* row_max, T* row_sum, T* o, int64_t Dv) {
+    typedef typename Vec<T>::type V;
+    constexpr int L = Vec<T>::lanes;
+    const T log2e = (T)1.44269504088896340736;
+    const V neg_inf = vbroadcast(-std::numeric_limits<T>::infinity());
+    for (int64_t r = 0; r < mp; r += L) {
+        const V running = vload<V>(row_max + r);
+        V max0 = running, max1 = running; /* two chains: max has latency */
+        int64_t j = 0;
+        for (; j + 2 <= n; j += 2) {
+            max0 = vmax(max0, vload<V>(s + j * mp + r));
+            max1 = vmax(max1, vload<V>(s + (j + 1) * mp + r));
+        }
+        if (j < n) max0 = vmax(max0, vload<V>(s + j * mp + r));
+        const V new_max = vmax(max0, max1);
+        const V shift = vselect(new_max == neg_inf, V{}, new_max) * log2e;
+        const V alpha = vexp2_softmax(running * log2e - shift);
+        V total = V{};
+        for (j = 0; j < n; ++j) {
+            const V prob = vexp2_softmax(vload<V>(s + j * mp + r) * log2e - shift);
+            vstore(s + j * mp + r, prob);
+            total += prob;
+        }
+        vstore(row_sum + r, vload<V>(row_sum + r) * alpha + total);
+        vstore(row_max + r, new_max);
+        for (int64_t c = 0; c < Dv; ++c) vstore(o + c * mp + r, vload<V>(o + c * mp + r) * alpha);
+    }
+}
+
 template <typename T, typename In, int NV>
 static void forward_block(const FwdParams& p, T* scratch, int64_t b, int64_t kvh, int64_t q0, int64_t qn,
                           int64_t k_begin, int64_t k_end, T* partial_out, T* partial_lse) {
-    typedef typename Vec<T>::type V;
-    constexpr int L = Vec<T>::lanes;
-    constexpr int64_t RB = NV * L;
+    constexpr int64_t RB = NV * Vec<T>::lanes;
     const T neg_inf = -std::numeric_limits<T>::infinity();
     const int64_t D = p.head_dim, Dv = p.head_dim_v, G = p.group, N = p.key_tile;
     const int64_t rows = G * qn;
@@ -422,24 +455,7 @@ static void forward_block(const FwdParams& p, T* scratch, int64_t b, int64_t kvh
 
         finish_scores<T>(p, s, nullptr, mp, rows, n, kt, b, kvh, q0, qn, position);
 
-        /* Online softmax, vectorised over rows. */
-        for (int64_t r = 0; r < mp; r += L) {
-            V running = vload<V>(row_max + r);
-            V tile_max = vload<V>(s + r);
-            for (int64_t j = 1; j < n; ++j) tile_max = vmax(tile_max, vload<V>(s + j * mp + r));
-            const V new_max = vmax(running, tile_max);
-            const V shift = vselect(new_max == vbroadcast(neg_inf), V{}, new_max);
-            const V alpha = vexp(running - shift);
-            V total = V{};
-            for (int64_t j = 0; j < n; ++j) {
-                const V prob = vexp(vload<V>(s + j * mp + r) - shift);
-                vstore(s + j * mp + r, prob);
-                total += prob;
-            }
-            vstore(row_sum + r, vload<V>(row_sum + r) * alpha + total);
-            vstore(row_max + r, new_max);
-            for (int64_t c = 0; c < Dv; ++c) vstore(o + c * mp + r, vload<V>(o + c * mp + r) * alpha);
-        }
+        online_softmax<T>(s, n, mp, row_max, row_sum, o, Dv);
 
         /* O[c][rows] += V^T (P o dropout); row_sum above took P before dropout. */
         if (p.dropout_p > 0) dropout_tile<T>(p, s, mp, 1, rows, n, kt, b, kvh, q0, qn, false);
@@ -632,15 +648,19 @@ struct ItemIndex {
     int64_t b, kvh, qb, split;
 };
 
-/* Heaviest items first: under causal masking the last query blocks see the most keys. */
+/* The items of one (b, kv head) are consecutive, so the threads, which take items in order, work
+ * on one head's K and V together and find them in cache (all heads' K/V together can be several
+ * times L3: sweeping every head for each query block would read them from memory again and again).
+ * Within a head the heaviest come first: under causal masking the last query blocks see the most
+ * keys. */
 static inline ItemIndex decode_item(const FwdParams& p, int64_t item) {
     ItemIndex index;
     index.split = item % p.splits;
     item /= p.splits;
+    index.qb = p.query_blocks - 1 - item % p.query_blocks;
+    item /= p.query_blocks;
     index.kvh = item % p.heads_kv;
-    item /= p.heads_kv;
-    index.b = item % p.batch;
-    index.qb = p.query_blocks - 1 - item / p.batch;
+    index.b = item / p.heads_kv;
     return index;
 }
 

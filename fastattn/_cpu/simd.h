@@ -20,6 +20,10 @@
 #include "isa.h"
 
 #if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#if defined(__AVX512F__)
 #define FASTATTN_VECTOR_BYTES 64
 #else
 #define FASTATTN_VECTOR_BYTES 32
@@ -123,7 +127,9 @@ template <typename V, typename M> static inline V vselect(M mask, V a, V b) {
     return (V)(((M)a & mask) | ((M)b & ~mask));
 }
 
-template <typename V> static inline V vmax(V a, V b) { return vselect(a > b, a, b); }
+/* a > b ? a : b per lane (b where either is NaN): GCC and Clang make it x86's maxps, one
+ * instruction on the critical path of a running maximum. */
+template <typename V> static inline V vmax(V a, V b) { return a > b ? a : b; }
 
 /* exp for float lanes: Cephes expf (range reduction by n = round(x log2 e), degree-6 polynomial,
  * 2^n built in the exponent bits); inputs below ln(FLT_MIN) give exactly 0, -inf included.  The
@@ -152,10 +158,50 @@ static inline Vec<float>::type vexp(Vec<float>::type x) {
     return (V)((I)(y * scale) & ~underflow);
 }
 
+/* 2^t for the softmax's float lanes: t = (score - running max) log2(e), formed by the caller in one
+ * FMA as score * log2(e) - max * log2(e) (as FlashAttention does), so t <= 0 up to rounding (the
+ * result is not clamped above: t must stay below 128), -inf, or NaN.  t = n + f (n = round(t),
+ * |f| <= 1/2), 2^f by a degree-6 polynomial fitted for relative error (<= 1e-7 in float,
+ * Cephes' accuracy), times 2^n.  Below t = -126 the result is exactly 0 (-inf gives 0 as masking
+ * needs, and no subnormal ever reaches the P.V products); NaN stays NaN.  A third of vexp's
+ * instructions: the range is one-sided, and the reduction need not be exact because the error of
+ * t is absolute, ulp(max * log2(e)), and a probability's error matters relative to the row's
+ * largest one (1), not to itself.  AVX-512 builds 2^n with vscalefps, zeroing the underflowed
+ * lanes in the same instruction. */
+static inline Vec<float>::type vexp2_softmax(Vec<float>::type t) {
+    typedef Vec<float>::type V;
+    const V magic = vbroadcast(12582912.0f); /* 1.5 * 2^23: adding it rounds to an integer */
+    const V shifted = t + magic;
+    const V n = shifted - magic;
+    const V f = t - n;
+    V y = vbroadcast(1.534578768769279e-4f);
+    y = y * f + 1.3399930903688073e-3f;
+    y = y * f + 9.618489071726799e-3f;
+    y = y * f + 5.550328642129898e-2f;
+    y = y * f + 2.4022646248340607e-1f;
+    y = y * f + 6.931471824645996e-1f;
+    y = y * f + 1.0f;
+#if FASTATTN_VECTOR_BYTES == 64
+    const __mmask16 kept = _mm512_cmp_ps_mask((__m512)t, _mm512_set1_ps(-126.0f), _CMP_NLT_UQ);
+    return (V)_mm512_maskz_scalef_ps(kept, (__m512)y, (__m512)n);
+#else
+    typedef Vec<float>::itype I;
+    const I underflow = t < vbroadcast(-126.0f);
+    const V scale = (V)(((I)shifted - (I)magic + 127) << 23);
+    return (V)((I)(y * scale) & ~underflow);
+#endif
+}
+
 /* exp for double lanes: libm, lane by lane (float64 is the exact path, not the fast one). */
 static inline Vec<double>::type vexp(Vec<double>::type x) {
     for (int i = 0; i < Vec<double>::lanes; ++i) x[i] = std::exp(x[i]);
     return x;
+}
+
+/* 2^t for double lanes (the float64 path's softmax): libm. */
+static inline Vec<double>::type vexp2_softmax(Vec<double>::type t) {
+    for (int i = 0; i < Vec<double>::lanes; ++i) t[i] = std::exp2(t[i]);
+    return t;
 }
 
 /* Storage types of half-precision inputs (raw 16-bit patterns). */
