@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -13,6 +14,8 @@ from hypothesis import strategies as st
 
 import fastattn
 from fastattn.backends import cpu as cpu_backend
+
+from .conformance import _oracle
 
 pytestmark = pytest.mark.skipif(
     not fastattn.backends.available()["cpu"].available, reason="the cpu backend is unavailable"
@@ -136,6 +139,54 @@ def test_plan_splits_keys_only_when_threads_would_idle() -> None:
     assert cpu_backend.plan(problem(1, 1, 1, 4096), 8)[1] == 16
     assert cpu_backend.plan(problem(1, 1, 1, 10), 8)[1] == 1
     assert cpu_backend.plan(problem(1, 2, 512, 512), 2) == (cpu_backend.TILE_ROWS // 4, 1)
+
+
+BACKWARD_CHUNK_CASES = {
+    "causal-window-float32": ({"causal": "bottom_right", "window": (50, 3)}, np.float32, 2),
+    "mask-lengths-float32": ({"mask": "bool", "key_lengths": True}, np.float32, 2),
+    "softcap-gqa-float16": ({"softcap": 5.0}, np.float16, 1),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BACKWARD_CHUNK_CASES))
+def test_backward_sums_the_dq_partials_of_several_key_chunks(case: str) -> None:
+    """Keys 300 = three key blocks, each its own chunk with its own dQ partial, summed in pass 3."""
+    features, dtype, heads_kv = BACKWARD_CHUNK_CASES[case]
+    rng = np.random.default_rng()
+    q, dout = (rng.standard_normal((2, 4, 70, 40)) for _ in range(2))
+    k, v = rng.standard_normal((2, heads_kv, 300, 40)), rng.standard_normal((2, heads_kv, 300, 24))
+    dout = dout[..., :24]
+    call: dict = {key: value for key, value in features.items() if key in ("causal", "window", "softcap")}
+    if features.get("mask") == "bool":
+        call["mask"] = rng.random((2, 1, 70, 300)) < 0.8
+    if features.get("key_lengths"):
+        call["key_lengths"] = np.array([300, 211])
+    options = _oracle.Options(**call)
+    problem = fastattn.explain(q.astype(dtype), k.astype(dtype), v.astype(dtype), **call).problem
+    assert cpu_backend.backward_chunks(problem) == 3
+    inputs = [x.astype(dtype) for x in (q, k, v, dout)]
+    out, lse = fastattn.attention(*inputs[:3], return_lse=True, backend="cpu", **call)
+    grads = fastattn.attention_backward(inputs[3], *inputs[:3], out, lse, backend="cpu", **call)
+    expected = _oracle.backward(*(x.astype(dtype).astype(np.float64) for x in (dout, q, k, v)), options)
+    tolerance = 1e-4 if dtype == np.float32 else 1e-2
+    for name, grad, exact, size in zip("qkv", grads, expected[:3], expected.magnitudes):
+        error = np.abs(grad.astype(np.float64) - exact)
+        assert np.all(error <= tolerance * (0.1 + size)), f"d{name}: worst error {error.max():.3g}"
+
+
+def test_backward_chunks_come_from_the_problem_and_bound_the_partials() -> None:
+    def problem(batch, heads_kv, seq_q, seq_k, group=4):
+        return SimpleNamespace(batch=batch, heads_q=group * heads_kv, heads_kv=heads_kv, seq_q=seq_q, seq_k=seq_k,
+                               head_dim=128, dtype="float32")
+
+    items = cpu_backend.BACKWARD_ITEMS
+    assert cpu_backend.backward_chunks(problem(1, 1, 64, 100)) == 1  # one key block
+    assert cpu_backend.backward_chunks(problem(1, 2, 4096, 4096)) == min(32, items // 2)
+    assert cpu_backend.backward_chunks(problem(items, 1, 4096, 4096)) == 1  # enough (batch, kv head) items
+    # bench_cpu.py --memory's case: dQ of 128 MiB, so two chunks' partials fill the 256 MiB
+    assert cpu_backend.backward_chunks(problem(1, 8, 32768, 32768, group=1)) == 2
+    assert cpu_backend.backward_chunks(problem(1, 8, 32768, 32768, group=4)) == 1  # dQ alone is 512 MiB
+    assert cpu_backend.backward_chunks(problem(1, 1, 0, 0)) == 1
 
 
 _MEMORY_PROBE = r"""

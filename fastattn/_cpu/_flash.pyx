@@ -31,6 +31,7 @@ cdef extern from "thread_scratch.h" namespace "fastattn" nogil:
     cdef enum ScratchSlot:
         SCRATCH_TILES
         SCRATCH_ROWS
+        SCRATCH_PARTIALS
 
     char* thread_scratch(int slot, size_t size)
 
@@ -87,9 +88,13 @@ cdef extern from "params.h" namespace "fastattn" nogil:
         int64_t dv_stride[3]
         char* delta
         int64_t key_blocks
+        int64_t chunks
+        int64_t chunk_blocks
+        char* dq_partial
 
     int64_t forward_items(const FwdParams& p)
     int64_t forward_partial_rows(const FwdParams& p)
+    int64_t backward_partial_elements(const BwdParams& p, int64_t lanes)
 
 cdef extern from "kernel_table.h" namespace "fastattn" nogil:
     ctypedef void (*ItemFunction)(const void* params, char* scratch, int64_t item) noexcept nogil
@@ -102,7 +107,7 @@ cdef extern from "kernel_table.h" namespace "fastattn" nogil:
         ItemFunction forward_combine
         size_t (*backward_scratch_bytes)(const BwdParams* params) noexcept nogil
         ItemFunction backward_delta
-        ItemFunction backward_dkdv
+        ItemFunction backward_gradients
         ItemFunction backward_dq
 
 cdef extern from "dispatch.h" namespace "fastattn" nogil:
@@ -387,6 +392,9 @@ cdef class BackwardPlan:
         A validated backward problem on host arrays.
     block_queries, key_tile : int
         Query positions per tile (all heads of a group stacked), keys per block.
+    chunks : int
+        Chunks of key blocks per kv head (at most the key blocks): the gradient pass's items per kv
+        head, each summing its own dQ partial (see ``flash_backward.h``).
     threads : int
         OpenMP threads.
     """
@@ -400,10 +408,16 @@ cdef class BackwardPlan:
     cdef int typenum
     cdef bint swap
 
-    def __init__(self, problem, int64_t block_queries, int64_t key_tile, int threads):
+    def __init__(self, problem, int64_t block_queries, int64_t key_tile, int64_t chunks, int threads):
         memset(&self.template, 0, sizeof(BwdParams))
         _fill_from_problem(&self.template.f, problem, block_queries, key_tile)
-        self.template.key_blocks = (self.template.f.seq_k + key_tile - 1) // key_tile
+        cdef int64_t key_blocks = (self.template.f.seq_k + key_tile - 1) // key_tile
+        if not 1 <= chunks <= max(1, key_blocks):
+            raise ValueError(f"chunks: expected 1 to {max(1, key_blocks)} (the key blocks), received {chunks}")
+        self.template.key_blocks = key_blocks
+        # Without keys one chunk still runs: it zeroes the dQ partial that pass 3 reads.
+        self.template.chunk_blocks = max(1, (key_blocks + chunks - 1) // chunks)
+        self.template.chunks = max(1, (key_blocks + self.template.chunk_blocks - 1) // self.template.chunk_blocks)
         self.kernels = _active
         self.thread_count = max(1, threads)
         self.scratch_bytes = (self.kernels.backward_scratch_bytes(&self.template) + 63) // 64 * 64
@@ -455,6 +469,9 @@ cdef class BackwardPlan:
         _bind(<const char**> &p.dk, p.dk_stride, dk, 3)
         _bind(<const char**> &p.dv, p.dv_stride, dv, 3)
         p.delta = _scratch(SCRATCH_ROWS, rows * compute_bytes)
+        p.dq_partial = _scratch(
+            SCRATCH_PARTIALS, backward_partial_elements(p, self.kernels.vector_bytes // compute_bytes) * compute_bytes
+        )
         p.f.nonfinite_output = &nonfinite
         with nogil:
             _for_items(self.kernels.backward_delta, &p, NULL, 0, rows, self.thread_count, False)
@@ -465,7 +482,7 @@ cdef class BackwardPlan:
         return dq, dk, dv
 
     cdef void _gradient_passes(self, BwdParams* p, char* scratch) noexcept nogil:
-        cdef int64_t key_items = p.f.batch * p.f.heads_kv * p.key_blocks
+        cdef int64_t key_items = p.f.batch * p.f.heads_kv * p.chunks
         cdef int64_t query_items = p.f.batch * p.f.heads_kv * p.f.query_blocks
-        _for_items(self.kernels.backward_dkdv, p, scratch, self.scratch_bytes, key_items, self.thread_count, True)
+        _for_items(self.kernels.backward_gradients, p, scratch, self.scratch_bytes, key_items, self.thread_count, True)
         _for_items(self.kernels.backward_dq, p, scratch, self.scratch_bytes, query_items, self.thread_count, True)

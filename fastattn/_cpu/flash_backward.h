@@ -3,16 +3,18 @@
  * Three parallel passes, each output element written by exactly one work item in a fixed order,
  * so gradients are bit-identical whatever the thread count:
  *   1. delta[row] = sum_c dO[row][c] * O[row][c]                         (one item per query row)
- *   2. dK, dV for one (b, kv head, key block): every query row of the kv head's GQA group that can
- *      see the block is visited in tiles; P = exp(S - lse) is recomputed from the saved lse,
+ *   2. one item per (b, kv head, chunk of key blocks): for each key block of the chunk, every query
+ *      block of the kv head's GQA group that can see it is visited; P = exp(S - lse) is recomputed
+ *      from the saved lse,
  *        dP = dO V^T,  dS = P (dP - delta) [* softcap'],
- *        dV += P^T dO,  dK += dS^T (scale Q)
- *      so dK/dV are summed over the group in the thread that owns the block (K/V never repeated).
- *   3. dQ for one (b, kv head, query block), walking its visible key tiles like the forward:
- *        dQ^T += K^T dS   (then times scale)
- * Pass 3 recomputes S, P and dP rather than accumulating dQ in per-thread buffers: it costs two
- * extra tile products per (query tile, key tile) but needs no O(threads * Sq * D) memory, no
- * reduction and no ordering across threads (measured against the buffered variant in the note).
+ *        dV += P^T dO,  dK += dS^T (scale Q),  dQ^T_chunk += K^T dS
+ *      so dK/dV are summed over the group in the thread that owns the block (K/V never repeated)
+ *      and each chunk sums its own dQ partial (compute type, transposed tiles [qb][D][rows]).
+ *   3. dQ for one (b, kv head, query block): the chunks' partials added in chunk order, times scale.
+ * Five tile products per (query tile, key tile), the fewest there are; an earlier version recomputed
+ * S and dP in a dQ pass over query blocks (seven) to spare the partials' memory.  The number of
+ * chunks is chosen from the problem alone (fastattn/backends/cpu.py), never from the thread count,
+ * so the sums' order, and every bit of dQ, is the same on any machine and thread count.
  *
  * It reuses the forward's pieces: Q and dO packed rows-as-lanes (Qp[d][rows], dOp[c][rows]), the
  * transposed score tile S[key][row] from qk_kernel (dP comes from the same kernel with V and dOp),
@@ -217,76 +219,95 @@ static void tile_gradients(const FwdParams& p, const KvTile<T, In>& tile, Backwa
     softmax_gradient<T>(p, t.s, t.dp, t.cap_grad, keep, t.pack.lse, t.pack.delta, n, mp);
 }
 
-/* Pass 2: dK and dV of keys [k0, k0 + key_tile) of one kv head. */
-template <typename T, typename In, int NV>
-static void dkdv_block(const BwdParams& bp, T* scratch, int64_t b, int64_t kvh, int64_t kb) {
+/* Vectors of rows per row block (NV of the kernels): one when a whole query block's rows fit in a
+ * vector, else two.  Fixed per problem, so pass 2 and pass 3 lay out a block's dQ tile alike. */
+template <typename T> static inline int row_vectors(const FwdParams& p) {
+    return p.group * p.block_queries <= lanes<T>() ? 1 : 2;
+}
+
+/* Padded rows of a query block's dQ^T tile slot: the most any block uses. */
+template <typename T> static inline int64_t dq_tile_rows(const FwdParams& p) {
+    return round_up(p.group * p.block_queries, 2 * lanes<T>());
+}
+
+/* The dQ^T tile ([D][rows], rows padded to the block's mp) of query block qb in chunk's partial. */
+template <typename T>
+static inline T* dq_partial_tile(const BwdParams& bp, int64_t chunk, int64_t b, int64_t kvh, int64_t qb) {
     const FwdParams& p = bp.f;
-    const int64_t D = p.head_dim, Dv = p.head_dim_v, N = p.key_tile;
-    const int64_t k0 = kb * N, n = std::min(N, p.seq_k - k0);
+    const int64_t slot = ((chunk * p.batch + b) * p.heads_kv + kvh) * p.query_blocks + qb;
+    return reinterpret_cast<T*>(bp.dq_partial) + slot * p.head_dim * dq_tile_rows<T>(p);
+}
+
+/* Pass 2: dK and dV of the key blocks of one chunk of one kv head, and the chunk's dQ partial. */
+template <typename T, typename In, int NV>
+static void gradient_block(const BwdParams& bp, T* scratch, int64_t b, int64_t kvh, int64_t chunk) {
+    const FwdParams& p = bp.f;
+    const int64_t D = p.head_dim, Dv = p.head_dim_v, N = p.key_tile, BQ = p.block_queries;
     T* dk = scratch;
     T* dv = dk + N * D;
     BackwardTiles<T, In, NV> t(p, scratch, N * (D + Dv));
     TilePack<T, In, NV>& pack = t.pack;
-    std::memset(dk, 0, sizeof(T) * N * D);
-    std::memset(dv, 0, sizeof(T) * N * Dv);
-
-    /* Keys past key_lengths are padding: zero gradient.  Queries that can see some key here: */
-    const int64_t live = std::min(n, (p.key_lengths ? p.key_lengths[b] : p.seq_k) - k0);
-    int64_t i_lo = 0, i_hi = p.seq_q;
-    if (live > 0) {
-        const int64_t last_key = k0 + live - 1;
-        if (p.causal) i_lo = std::max(i_lo, k0 - p.offset);
-        if (p.window_right >= 0) i_lo = std::max(i_lo, k0 - p.window_right - p.offset);
-        if (p.window_left >= 0) i_hi = std::min(i_hi, last_key + p.window_left - p.offset + 1);
-        KvTile<T, In> tile;
-        tile.load(p, b, kvh, k0, live, t.k_converted, t.v_converted);
-        for (int64_t q0 = i_lo; q0 < i_hi; q0 += p.block_queries) {
-            const int64_t qn = std::min(p.block_queries, i_hi - q0);
-            pack.fill(bp, b, kvh, q0, qn);
-            const int64_t mp = pack.mp;
-            tile_gradients<T, In, NV>(p, tile, t, live, k0, b, kvh, q0, qn);
-            outer_product<T>(live, Dv, t.s, mp, pack.do_rows, Dv, pack.rows, dv, Dv, p.skip_zero_weights);
-            outer_product<T>(live, D, t.dp, mp, pack.q_rows, D, pack.rows, dk, D, p.skip_zero_weights);
+    std::memset(dq_partial_tile<T>(bp, chunk, b, kvh, 0), 0, sizeof(T) * p.query_blocks * D * dq_tile_rows<T>(p));
+    const int64_t kb_end = std::min(bp.key_blocks, (chunk + 1) * bp.chunk_blocks);
+    for (int64_t kb = chunk * bp.chunk_blocks; kb < kb_end; ++kb) {
+        const int64_t k0 = kb * N, n = std::min(N, p.seq_k - k0);
+        std::memset(dk, 0, sizeof(T) * N * D);
+        std::memset(dv, 0, sizeof(T) * N * Dv);
+        /* Keys past key_lengths are padding: zero gradient.  Queries that can see some key here: */
+        const int64_t live = std::min(n, (p.key_lengths ? p.key_lengths[b] : p.seq_k) - k0);
+        if (live > 0) {
+            const int64_t last_key = k0 + live - 1;
+            int64_t i_lo = 0, i_hi = p.seq_q;
+            if (p.causal) i_lo = std::max(i_lo, k0 - p.offset);
+            if (p.window_right >= 0) i_lo = std::max(i_lo, k0 - p.window_right - p.offset);
+            if (p.window_left >= 0) i_hi = std::min(i_hi, last_key + p.window_left - p.offset + 1);
+            KvTile<T, In> tile;
+            tile.load(p, b, kvh, k0, live, t.k_converted, t.v_converted);
+            /* Whole query blocks (pass 3's), so rows of a block outside [i_lo, i_hi) get P = dS = 0. */
+            for (int64_t qb = std::max<int64_t>(i_lo, 0) / BQ; qb * BQ < i_hi; ++qb) {
+                const int64_t q0 = qb * BQ, qn = std::min(BQ, p.seq_q - q0);
+                pack.fill(bp, b, kvh, q0, qn);
+                const int64_t mp = pack.mp;
+                tile_gradients<T, In, NV>(p, tile, t, live, k0, b, kvh, q0, qn);
+                outer_product<T>(live, Dv, t.s, mp, pack.do_rows, Dv, pack.rows, dv, Dv, p.skip_zero_weights);
+                outer_product<T>(live, D, t.dp, mp, pack.q_rows, D, pack.rows, dk, D, p.skip_zero_weights);
+                T* dqt = dq_partial_tile<T>(bp, chunk, b, kvh, qb);
+                for (int64_t rb = 0; rb < mp; rb += NV * lanes<T>())
+                    Blocked<T, NV>::pv_all(D, tile.k, tile.k_stride, t.dp + rb, mp, live, dqt + rb, p.skip_zero_weights);
+            }
         }
-    }
-    for (int64_t j = 0; j < n; ++j) {
-        In* dk_row = reinterpret_cast<In*>(bp.dk) + b * bp.dk_stride[0] + kvh * bp.dk_stride[1] + (k0 + j) * bp.dk_stride[2];
-        In* dv_row = reinterpret_cast<In*>(bp.dv) + b * bp.dv_stride[0] + kvh * bp.dv_stride[1] + (k0 + j) * bp.dv_stride[2];
-        for (int64_t d = 0; d < D; ++d) {
-            note_stored(p, dk[j * D + d]);
-            dk_row[d] = Store<In>::from(dk[j * D + d]);
-        }
-        for (int64_t c = 0; c < Dv; ++c) {
-            note_stored(p, dv[j * Dv + c]);
-            dv_row[c] = Store<In>::from(dv[j * Dv + c]);
+        for (int64_t j = 0; j < n; ++j) {
+            In* dk_row = reinterpret_cast<In*>(bp.dk) + b * bp.dk_stride[0] + kvh * bp.dk_stride[1] + (k0 + j) * bp.dk_stride[2];
+            In* dv_row = reinterpret_cast<In*>(bp.dv) + b * bp.dv_stride[0] + kvh * bp.dv_stride[1] + (k0 + j) * bp.dv_stride[2];
+            for (int64_t d = 0; d < D; ++d) {
+                note_stored(p, dk[j * D + d]);
+                dk_row[d] = Store<In>::from(dk[j * D + d]);
+            }
+            for (int64_t c = 0; c < Dv; ++c) {
+                note_stored(p, dv[j * Dv + c]);
+                dv_row[c] = Store<In>::from(dv[j * Dv + c]);
+            }
         }
     }
 }
 
-/* Pass 3: dQ of one (b, kv head, query block), all heads of the group stacked. */
+/* Pass 3: dQ of one (b, kv head, query block), all heads of the group stacked: the chunks' dQ^T
+ * tiles added in chunk order, then scaled and written. */
 template <typename T, typename In, int NV>
-static void dq_block(const BwdParams& bp, T* scratch, int64_t b, int64_t kvh, int64_t q0, int64_t qn) {
+static void dq_block(const BwdParams& bp, T* scratch, int64_t b, int64_t kvh, int64_t qb) {
+    typedef typename Vec<T>::type V;
+    constexpr int L = Vec<T>::lanes;
     const FwdParams& p = bp.f;
-    const int64_t D = p.head_dim, N = p.key_tile;
-    const int64_t mp_max = round_up(p.group * p.block_queries, 2 * lanes<T>());
+    const int64_t D = p.head_dim, q0 = qb * p.block_queries, qn = std::min(p.block_queries, p.seq_q - q0);
+    const int64_t rows = p.group * qn, mp = round_up(rows, NV * L);
     T* dqt = scratch; /* [D][mp] */
-    BackwardTiles<T, In, NV> t(p, scratch, D * mp_max);
-    TilePack<T, In, NV>& pack = t.pack;
-    pack.fill(bp, b, kvh, q0, qn);
-    const int64_t mp = pack.mp;
-    std::memset(dqt, 0, sizeof(T) * D * mp);
-    int64_t lo, hi;
-    visible_keys(p, b, q0, qn, 0, p.seq_k, &lo, &hi);
-    for (int64_t kt = lo; kt < hi; kt += N) {
-        const int64_t n = std::min(N, hi - kt);
-        KvTile<T, In> tile;
-        tile.load(p, b, kvh, kt, n, t.k_converted, t.v_converted);
-        tile_gradients<T, In, NV>(p, tile, t, n, kt, b, kvh, q0, qn);
-        for (int64_t rb = 0; rb < mp; rb += NV * lanes<T>())
-            Blocked<T, NV>::pv_all(D, tile.k, tile.k_stride, t.dp + rb, mp, n, dqt + rb, p.skip_zero_weights);
+    std::memcpy(dqt, dq_partial_tile<T>(bp, 0, b, kvh, qb), sizeof(T) * D * mp);
+    for (int64_t chunk = 1; chunk < bp.chunks; ++chunk) {
+        const T* part = dq_partial_tile<T>(bp, chunk, b, kvh, qb);
+        for (int64_t e = 0; e < D * mp; e += L) vstore(dqt + e, vload<V>(dqt + e) + vload<V>(part + e));
     }
     const T scale = (T)p.scale;
-    for (int64_t r = 0; r < pack.rows; ++r) {
+    for (int64_t r = 0; r < rows; ++r) {
         const int64_t g = r / qn, i = q0 + r % qn, h = kvh * p.group + g;
         In* dst = reinterpret_cast<In*>(bp.dq) + b * bp.dq_stride[0] + h * bp.dq_stride[1] + i * bp.dq_stride[2];
         for (int64_t d = 0; d < D; ++d) {
@@ -307,31 +328,30 @@ static void delta_row(const BwdParams& bp, int64_t index) {
     reinterpret_cast<T*>(bp.delta)[index] = total;
 }
 
+/* Items of one kv head consecutive (its Q and dO shared in cache, as decode_item orders the
+ * forward's), chunk 0 first: under causal masking the first keys are seen by the most queries. */
 template <typename T, typename In>
-static void dkdv_item(const BwdParams& bp, char* scratch, int64_t item) {
+static void gradient_item(const BwdParams& bp, char* scratch, int64_t item) {
     const FwdParams& p = bp.f;
-    /* One head's key blocks consecutive: the threads share its Q and dO in cache (decode_item). */
-    const int64_t kb = item % bp.key_blocks, kvh = (item / bp.key_blocks) % p.heads_kv;
-    const int64_t b = item / (bp.key_blocks * p.heads_kv);
+    const int64_t chunk = item % bp.chunks, kvh = (item / bp.chunks) % p.heads_kv;
+    const int64_t b = item / (bp.chunks * p.heads_kv);
     T* buffer = reinterpret_cast<T*>(scratch);
-    if (p.group * p.block_queries <= lanes<T>())
-        dkdv_block<T, In, 1>(bp, buffer, b, kvh, kb);
+    if (row_vectors<T>(p) == 1)
+        gradient_block<T, In, 1>(bp, buffer, b, kvh, chunk);
     else
-        dkdv_block<T, In, 2>(bp, buffer, b, kvh, kb);
+        gradient_block<T, In, 2>(bp, buffer, b, kvh, chunk);
 }
 
 template <typename T, typename In>
 static void dq_item(const BwdParams& bp, char* scratch, int64_t item) {
     const FwdParams& p = bp.f;
-    /* One head's query blocks consecutive, heaviest (causal) first, as decode_item orders them. */
-    const int64_t qb = p.query_blocks - 1 - item % p.query_blocks, kvh = (item / p.query_blocks) % p.heads_kv;
+    const int64_t qb = item % p.query_blocks, kvh = (item / p.query_blocks) % p.heads_kv;
     const int64_t b = item / (p.query_blocks * p.heads_kv);
-    const int64_t q0 = qb * p.block_queries, qn = std::min(p.block_queries, p.seq_q - q0);
     T* buffer = reinterpret_cast<T*>(scratch);
-    if (p.group * qn <= lanes<T>())
-        dq_block<T, In, 1>(bp, buffer, b, kvh, q0, qn);
+    if (row_vectors<T>(p) == 1)
+        dq_block<T, In, 1>(bp, buffer, b, kvh, qb);
     else
-        dq_block<T, In, 2>(bp, buffer, b, kvh, q0, qn);
+        dq_block<T, In, 2>(bp, buffer, b, kvh, qb);
 }
 
 }  // namespace FASTATTN_ISA_NAMESPACE

@@ -25,8 +25,8 @@ struct KernelTable {
     ItemFunction forward_combine;                              /* merge one item's splits by lse */
     size_t (*backward_scratch_bytes)(const BwdParams* params);
     ItemFunction backward_delta; /* one query row's delta = dO . O */
-    ItemFunction backward_dkdv;  /* one (b, kv head, key block) */
-    ItemFunction backward_dq;    /* one (b, kv head, query block) */
+    ItemFunction backward_gradients; /* one (b, kv head, chunk of key blocks): dK, dV, a dQ partial */
+    ItemFunction backward_dq;        /* one (b, kv head, query block): dQ, the partials summed */
 };
 
 }  // namespace fastattn

@@ -50,9 +50,9 @@ static void backward_delta(const void* params, char*, int64_t index) {
 #undef FASTATTN_CALL
 }
 
-static void backward_dkdv(const void* params, char* scratch, int64_t item) {
+static void backward_gradients(const void* params, char* scratch, int64_t item) {
     const BwdParams& p = *static_cast<const BwdParams*>(params);
-#define FASTATTN_CALL(T, In) dkdv_item<T, In>(p, scratch, item)
+#define FASTATTN_CALL(T, In) gradient_item<T, In>(p, scratch, item)
     FASTATTN_BY_DTYPE(p.f.dtype, FASTATTN_CALL)
 #undef FASTATTN_CALL
 }
@@ -69,7 +69,7 @@ static void backward_dq(const void* params, char* scratch, int64_t item) {
 const KernelTable* kernel_table() {
     static const KernelTable table = {
         FASTATTN_ISA_NAME,      FASTATTN_VECTOR_BYTES, forward_scratch_bytes, forward_item, forward_combine,
-        backward_scratch_bytes, backward_delta,        backward_dkdv,         backward_dq,
+        backward_scratch_bytes, backward_delta,        backward_gradients,    backward_dq,
     };
     return &table;
 }

@@ -63,7 +63,16 @@ struct BwdParams {
     int64_t dout_stride[3], o_stride[3], dq_stride[3], dk_stride[3], dv_stride[3]; /* b, h, s */
     char* delta; /* compute type, [B][Hq][Sq] */
     int64_t key_blocks;
+    int64_t chunks;       /* key-block chunks per kv head: pass 2's items, each with its dQ partial */
+    int64_t chunk_blocks; /* key blocks per chunk */
+    char* dq_partial;     /* compute type, [chunks][B][Hkv][query_blocks][D][padded rows] (flash_backward.h) */
 };
+
+/* Elements of the backward's dQ partials (dq_partial) for vectors of `lanes` compute-type elements. */
+static inline int64_t backward_partial_elements(const BwdParams& p, int64_t lanes) {
+    const int64_t block = 2 * lanes, rows = (p.f.group * p.f.block_queries + block - 1) / block * block;
+    return p.chunks * p.f.batch * p.f.heads_kv * p.f.query_blocks * p.f.head_dim * rows;
+}
 
 }  // namespace fastattn
 

@@ -83,6 +83,29 @@ def forward_plan(problem: AttentionProblem, threads: int) -> _flash.ForwardPlan:
     return built
 
 
+#: The backward's gradient pass runs one item per (batch, kv head, chunk of key blocks), each chunk
+#: summing its own dQ partial: at least this many items where the key blocks allow, so that the
+#: threads of a large machine have work, ...
+BACKWARD_ITEMS = 32
+#: ... while the partials (chunks x dQ in the compute type) stay within this many bytes.
+BACKWARD_PARTIAL_BYTES = 256 << 20
+
+
+def backward_chunks(problem: AttentionProblem) -> int:
+    """Chunks of key blocks per kv head in the backward (see ``fastattn/_cpu/flash_backward.h``).
+
+    Chosen from the problem alone, never from the thread count: the chunks fix the order in which
+    dQ's partial sums are added, so the gradients are bit-identical at any thread count.
+    """
+    key_blocks = max(1, math.ceil(problem.seq_k / KEY_TILE))
+    chunks = min(key_blocks, math.ceil(BACKWARD_ITEMS / (problem.batch * problem.heads_kv)))
+    element_bytes = 8 if problem.dtype == "float64" else 4
+    dq_bytes = problem.batch * problem.heads_q * problem.seq_q * problem.head_dim * element_bytes
+    while chunks > 1 and chunks * dq_bytes > BACKWARD_PARTIAL_BYTES:
+        chunks -= 1
+    return chunks
+
+
 _backward_plans: dict[tuple[int, int, str], tuple[AttentionProblem, _flash.BackwardPlan]] = {}
 
 
@@ -94,7 +117,8 @@ def backward_plan(problem: AttentionProblem, threads: int) -> _flash.BackwardPla
     if kept is not None and kept[0] is problem:
         return kept[1]
     block_queries = max(1, TILE_ROWS // problem.group_size)
-    built = _flash.BackwardPlan(problem, block_queries, KEY_TILE, _threads_for(problem, threads))
+    chunks = backward_chunks(problem)
+    built = _flash.BackwardPlan(problem, block_queries, KEY_TILE, chunks, _threads_for(problem, threads))
     if len(_backward_plans) >= PLANS_KEPT:
         _backward_plans.clear()
     _backward_plans[key] = (problem, built)
