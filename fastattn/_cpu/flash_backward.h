@@ -107,8 +107,8 @@ template <typename T> static size_t backward_scratch_elements(const BwdParams& b
 }
 
 /* Pack the rows of one query tile: scale*Q as Qp[d][rows] (and as rows, for dK), dO as dOp[c][rows]
- * (and as rows, for dV), lse (+inf for rows that saw no key, so that their P is 0), delta, and
- * each row's key position. */
+ * (and as rows, for dV), lse log2(e) (+inf for rows that saw no key, so that their P is 0), delta,
+ * and each row's key position. */
 template <typename T, typename In, int NV> struct TilePack {
     T *qp, *q_rows, *dop, *do_rows, *lse, *delta, *position;
     int64_t rows, mp;
@@ -131,7 +131,8 @@ template <typename T, typename In, int NV> struct TilePack {
                 for (int64_t c = 0; c < Dv; ++c) do_rows[r * Dv + c] = odst[c * RB] = load_as<T>(osrc[c]);
                 const T saved = *(reinterpret_cast<const T*>(p.lse) + b * p.lse_stride[0] + h * p.lse_stride[1] +
                                   i * p.lse_stride[2]);
-                lse[r] = saved == -std::numeric_limits<T>::infinity() ? std::numeric_limits<T>::infinity() : saved;
+                lse[r] = saved == -std::numeric_limits<T>::infinity() ? std::numeric_limits<T>::infinity()
+                                                                      : saved * kLog2e<T>;
                 delta[r] = reinterpret_cast<const T*>(bp.delta)[(b * p.heads_q + h) * p.seq_q + i];
                 position[r] = (T)(i + p.offset);
             } else {
@@ -172,9 +173,10 @@ template <typename T, typename In, int NV> struct BackwardTiles {
 
 /* S -> P and dP -> dS for one (key tile, query tile): s holds S[j][rows] on entry and P on exit
  * (P o dropout with `keep`, the dropout multipliers: what dV needs), dp holds dP on entry and
- * dS = P (dP o dropout - delta) [* softcap'] on exit. */
+ * dS = P (dP o dropout - delta) [* softcap'] on exit.  P = exp(S - lse) = 2^(S log2(e) - lse2) by
+ * the forward's vexp2_softmax, lse2 = lse log2(e) (TilePack). */
 template <typename T>
-static void softmax_gradient(const FwdParams& p, T* s, T* dp, const T* cap_grad, const T* keep, const T* lse,
+static void softmax_gradient(const FwdParams& p, T* s, T* dp, const T* cap_grad, const T* keep, const T* lse2,
                              const T* delta, int64_t n, int64_t mp) {
     typedef typename Vec<T>::type V;
     constexpr int L = Vec<T>::lanes;
@@ -183,7 +185,7 @@ static void softmax_gradient(const FwdParams& p, T* s, T* dp, const T* cap_grad,
             /* A hidden key (-inf) has P = 0 even in a row whose lse is NaN. */
             const V score = vload<V>(s + j * mp + r);
             const V prob = vselect(score == vbroadcast(-std::numeric_limits<T>::infinity()), V{},
-                                   vexp(score - vload<V>(lse + r)));
+                                   vexp2_softmax(score * kLog2e<T> - vload<V>(lse2 + r)));
             V dprob = vload<V>(dp + j * mp + r);
             if (keep) {
                 const V factor = vload<V>(keep + j * mp + r);

@@ -68,6 +68,9 @@ constexpr int kMainMR = 6;
 
 template <typename T> constexpr int lanes() { return Vec<T>::lanes; }
 
+/* exp(x) = 2^(x log2(e)): the softmax's exponentials go through vexp2_softmax. */
+template <typename T> constexpr T kLog2e = (T)1.44269504088896340736;
+
 static inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 /* Rows of the tile (M) and their padded count (Mp, a multiple of the row block RB). */
@@ -378,7 +381,7 @@ template <typename T>
 static inline void online_softmax(T* s, int64_t n, int64_t mp, T* row_max, T* row_sum, T* o, int64_t Dv) {
     typedef typename Vec<T>::type V;
     constexpr int L = Vec<T>::lanes;
-    const T log2e = (T)1.44269504088896340736;
+    const T log2e = kLog2e<T>;
     const V neg_inf = vbroadcast(-std::numeric_limits<T>::infinity());
     for (int64_t r = 0; r < mp; r += L) {
         const V running = vload<V>(row_max + r);
