@@ -287,20 +287,10 @@ def run_case(name: str, direction: str, impls: dict[str, Callable[..., Callable[
 
 
 _MEMORY_PROBE = r"""
-import json, resource, sys, time
+import json, sys, time
 import numpy as np
 import fastattn
-
-
-def high_water_kib():
-    # This process's peak RSS.  getrusage's ru_maxrss is no good in a child: Linux carries the
-    # parent's peak across exec, so a child of the (large) benchmark process would measure nothing.
-    try:
-        with open("/proc/self/status") as status:
-            return next(int(line.split()[1]) for line in status if line.startswith("VmHWM:"))
-    except OSError:
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-
+from fastattn._bench import peak_rss_kib
 
 backward = sys.argv[1] == "forward+backward"
 batch, heads, seq, dim = 1, 8, 32768, 128
@@ -312,13 +302,13 @@ fastattn.attention(q[:, :, small], k[:, :, small], v[:, :, small], causal=True, 
 # that is the kernels' own memory.
 outputs = [np.ones_like(q), np.ones((batch, heads, seq), np.float32)] + ([np.ones_like(q) for _ in range(3)] if backward else [])
 del outputs
-before = high_water_kib()
+before = peak_rss_kib()
 start = time.perf_counter()
 out, lse = fastattn.attention(q, k, v, causal=True, backend="cpu", return_lse=True)
 if backward:
     grads = fastattn.attention_backward(dout, q, k, v, out, lse, causal=True, backend="cpu")
 seconds = time.perf_counter() - start
-after = high_water_kib()
+after = peak_rss_kib()
 print(json.dumps({"extra_mib_beyond_outputs": (after - before) / 1024, "seconds": seconds}))
 """
 

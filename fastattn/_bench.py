@@ -127,6 +127,21 @@ def numpy_naive_attention(q: Any, k: Any, v: Any, causal: bool) -> Any:
     return (scores / scores.sum(axis=-1, keepdims=True)) @ v
 
 
+def peak_rss_kib() -> int:
+    """This process's peak resident memory in KiB (Linux's ``VmHWM``).
+
+    Not ``getrusage``'s ``ru_maxrss`` where ``/proc`` has the figure: Linux carries a parent's peak
+    across ``exec`` into ``ru_maxrss``, so a probe run in a child of a large process measures nothing.
+    """
+    try:
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1]) for line in status if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
 def torch_available() -> bool:
     """Return True when PyTorch is installed (without importing it)."""
     return importlib.util.find_spec("torch") is not None

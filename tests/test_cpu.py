@@ -190,27 +190,17 @@ def test_backward_chunks_come_from_the_problem_and_bound_the_partials() -> None:
 
 
 _MEMORY_PROBE = r"""
-import json, resource, sys
+import json, sys
 import numpy as np
 import fastattn
+from fastattn._bench import peak_rss_kib
 heads, seq, dim = 8, 8192, 64
 rng = np.random.default_rng(0)
 q, k, v = (rng.standard_normal((1, heads, seq, dim), dtype=np.float32) for _ in range(3))
 small = fastattn.attention(q[:, :, :64], k[:, :, :64], v[:, :, :64], causal=True, backend="cpu")
-
-
-def high_water_kib():
-    # Not ru_maxrss: Linux carries the parent's (pytest's) peak across exec into this child.
-    try:
-        with open("/proc/self/status") as status:
-            return next(int(line.split()[1]) for line in status if line.startswith("VmHWM:"))
-    except OSError:
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-
-
-before = high_water_kib()
+before = peak_rss_kib()
 out = fastattn.attention(q, k, v, causal=True, backend="cpu")
-after = high_water_kib()
+after = peak_rss_kib()
 print(json.dumps({"extra_kib": after - before, "out_kib": out.nbytes // 1024}))
 """
 
