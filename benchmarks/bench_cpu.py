@@ -313,6 +313,16 @@ print(json.dumps({"extra_mib_beyond_outputs": (after - before) / 1024, "seconds"
 """
 
 
+def write_report(report: dict[str, Any], path: Path | None, prefix: str) -> Path:
+    """Write a benchmark's JSON report, dated, to ``path`` or ``benchmarks/results/<prefix>-<date>.json``."""
+    report = {"date": datetime.datetime.now().isoformat(timespec="seconds"), **report}
+    path = path or Path(__file__).parent / "results" / f"{prefix}-{datetime.date.today().isoformat()}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2))
+    print(f"wrote {path}")
+    return path
+
+
 def memory_case(direction: str) -> dict[str, Any]:
     """Peak RSS of the (1, 8, 32768, 32768, 128) causal call beyond its inputs and outputs.
 
@@ -405,7 +415,6 @@ def main(argv: list[str] | None = None) -> int:
     ratios = summary(rows)
     print("fastattn cpu / torch: " + ", ".join(f"{key} {value:.2f}x" for key, value in ratios.items()))
     report: dict[str, Any] = {
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "machine": machine,
         "threads": fastattn.get_num_threads(),
         "torch": None if torch is None else torch.__version__,
@@ -422,10 +431,7 @@ def main(argv: list[str] | None = None) -> int:
         report["memory_cases"] = [memory_case(direction) for direction in arguments.passes]
         for case in report["memory_cases"]:
             print(f"memory case (1, 8, 32768, 32768, 128) causal: {case}")
-    path = arguments.json or Path(__file__).parent / "results" / f"cpu-{datetime.date.today().isoformat()}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=2))
-    print(f"wrote {path}")
+    write_report(report, arguments.json, "cpu")
     return 0
 
 

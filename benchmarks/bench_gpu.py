@@ -19,8 +19,6 @@ device-to-device copy of a 1 GiB buffer, CUDA events; bytes read + written per s
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import math
 import statistics
 import sys
@@ -28,7 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench_cpu import forward_flops  # benchmarks/ is the script's directory, so on sys.path
+from bench_cpu import forward_flops, write_report  # benchmarks/ is the script's directory, so on sys.path
 
 import fastattn
 
@@ -235,7 +233,6 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(format_decode_table(rows, copy_tbytes))
     report = {
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "repeats": arguments.repeats,
@@ -243,10 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         "copy_tbytes_per_s": copy_tbytes,
         "rows": rows,
     }
-    path = arguments.json or Path(__file__).parent / "results" / f"h100-{datetime.date.today().isoformat()}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=2))
-    print(f"wrote {path}")
+    write_report(report, arguments.json, "h100")
     return 0
 
 

@@ -13,8 +13,6 @@ clock change from landing on one thread count only, as it can between two separa
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import sys
 from collections.abc import Callable
@@ -22,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from bench_cpu import CASES, implementations, interleaved_medians, machine_description
+from bench_cpu import CASES, implementations, interleaved_medians, machine_description, write_report
 
 import fastattn
 
@@ -71,17 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'case':<5} {'pass':<17} {'threads':>7} {'ms':>10} {'speed-up':>9}")
     for row in rows:
         print(f"{row['case']:<5} {row['pass']:<17} {row['threads']:>7} {row['median_ms']:>10.2f} {row['speedup']:>8.2f}x")
-    report = {
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "machine": machine,
-        "threads": counts,
-        "repeats": arguments.repeats,
-        "rows": rows,
-    }
-    path = arguments.json or Path(__file__).parent / "results" / f"scaling-{datetime.date.today().isoformat()}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=2))
-    print(f"wrote {path}")
+    write_report({"machine": machine, "threads": counts, "repeats": arguments.repeats, "rows": rows},
+                 arguments.json, "scaling")
     return 0
 
 
