@@ -21,9 +21,6 @@
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
-#endif
-
-#if defined(__AVX512F__)
 #define FASTATTN_VECTOR_BYTES 64
 #else
 #define FASTATTN_VECTOR_BYTES 32
@@ -163,10 +160,10 @@ static inline Vec<float>::type vexp(Vec<float>::type x) {
  * result is not clamped above: t must stay below 128), -inf, or NaN.  t = n + f (n = round(t),
  * |f| <= 1/2), 2^f by a degree-6 polynomial fitted for relative error (<= 1e-7 in float,
  * Cephes' accuracy), times 2^n.  Below t = -126 the result is exactly 0 (-inf gives 0 as masking
- * needs, and no subnormal ever reaches the P.V products); NaN stays NaN.  A third of vexp's
- * instructions: the range is one-sided, and the reduction need not be exact because the error of
- * t is absolute, ulp(max * log2(e)), and a probability's error matters relative to the row's
- * largest one (1), not to itself.  AVX-512 builds 2^n with vscalefps, zeroing the underflowed
+ * needs, and no subnormal ever reaches the P.V products); NaN stays NaN.  About 12 instructions
+ * against vexp's 20 or so: the range is one-sided, and the reduction need not be exact because the
+ * error of t is absolute, ulp(max * log2(e)), and a probability's error matters relative to the
+ * row's largest one (1), not to itself.  AVX-512 builds 2^n with vscalefps, zeroing the underflowed
  * lanes in the same instruction. */
 static inline Vec<float>::type vexp2_softmax(Vec<float>::type t) {
     typedef Vec<float>::type V;
