@@ -85,6 +85,9 @@ _X86_LEVELS = [
     IsaLevel("avx2", ["-march=x86-64", "-mtune=generic", "-mavx2", "-mfma"]),
     IsaLevel("avx512", ["-march=x86-64", "-mtune=generic", "-mavx2", "-mfma", "-mavx512f", "-mavx512bw",
                         "-mavx512dq", "-mavx512vl"]),
+    # AVX-512 with AVX512_BF16 and AMX-BF16 tiles (Sapphire Rapids and later): bfloat16 on AMX.
+    IsaLevel("amx", ["-march=x86-64", "-mtune=generic", "-mavx2", "-mfma", "-mavx512f", "-mavx512bw",
+                     "-mavx512dq", "-mavx512vl", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"]),
 ]
 
 
@@ -130,6 +133,7 @@ _baseline_args = _cxx_args + _levels[0].flags
 _kernel_source = "fastattn/_cpu/kernels.cpp"
 _kernel_headers = [
     "fastattn/_cpu/flash_forward.h",
+    "fastattn/_cpu/flash_amx.h",
     "fastattn/_cpu/flash_backward.h",
     "fastattn/_cpu/simd.h",
     "fastattn/_cpu/isa.h",

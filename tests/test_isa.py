@@ -24,7 +24,7 @@ from fastattn.backends import cpu
 
 from .conformance import _oracle
 
-X86_LEVELS = ["generic", "avx2", "avx512"]
+X86_LEVELS = ["generic", "avx2", "avx512", "amx"]
 
 
 @pytest.fixture
@@ -47,7 +47,7 @@ def test_levels_are_named_ordered_and_the_highest_runnable_is_the_default() -> N
 def test_vector_width_follows_the_level() -> None:
     widths = {level.name: level.vector_bytes for level in isa.levels()}
     if "avx512" in widths:
-        assert widths == {"generic": 32, "avx2": 32, "avx512": 64}
+        assert widths == {"generic": 32, "avx2": 32, "avx512": 64, "amx": 64}
 
 
 @pytest.mark.parametrize("name", isa.runnable())
@@ -127,21 +127,25 @@ def _level_of(function: str) -> str | None:
 #: AVX: VEX-encoded mnemonics start with "v" (legacy SSE never does); AVX-512 adds zmm and mask registers.
 AVX = re.compile(r"^v[a-z]|%ymm|%zmm|%k[0-7]")
 AVX512 = re.compile(r"%zmm|%k[0-7]|\{%k")
+#: AMX: the tile instructions and registers (only the amx level may use them).
+AMX = re.compile(r"%tmm|tilecfg|^tile|^tdp")
 
 
 @pytest.mark.skipif(
     not sys.platform.startswith("linux") or shutil.which("objdump") is None, reason="needs objdump on Linux"
 )
-def test_the_generic_level_and_the_code_around_it_use_no_avx() -> None:
+def test_each_level_uses_no_instruction_above_it() -> None:
     names = [level.name for level in isa.levels()]
     if names != X86_LEVELS:
         pytest.skip(f"not a multi-level x86-64 build: {names}")
     functions = _functions(Path(_flash.__file__))
-    assert {"generic", "avx2", "avx512"} <= {_level_of(name) for name in functions}
-    forbidden = {None: AVX, "generic": AVX, "avx2": AVX512}
+    assert {"generic", "avx2", "avx512", "amx"} <= {_level_of(name) for name in functions}
+    forbidden = {None: AVX, "generic": AVX, "avx2": AVX512, "avx512": AMX}
     for name, instructions in functions.items():
         level = _level_of(name)
         if level not in forbidden:
             continue
         found = [instruction for instruction in instructions if forbidden[level].search(instruction)]
         assert not found, f"{name} ({level or 'outside the kernel levels'}) uses {found[:3]}"
+    amx_level = [line for name, lines in functions.items() if _level_of(name) == "amx" for line in lines]
+    assert any(AMX.search(line) for line in amx_level), "the amx level's kernels use no tile instruction"

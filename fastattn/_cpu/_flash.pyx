@@ -118,7 +118,7 @@ cdef extern from "dispatch.h" namespace "fastattn" nogil:
     int build_levels(IsaLevel* levels)
 
 
-cdef IsaLevel _levels[4]
+cdef IsaLevel _levels[8]
 cdef int _level_count = build_levels(_levels)
 #: The level new plans run (use_isa); the highest the CPU runs until fastattn._cpu.isa chooses.
 cdef const KernelTable* _active = NULL
@@ -134,7 +134,7 @@ def isa_levels():
     -------
     list of (str, int, bool)
         ``(name, vector_bytes, runs)``: the level's name (``"generic"``, ``"avx2"``, ``"avx512"``,
-        or ``"native"`` for a ``FASTATTN_NATIVE=1`` build), the width of its vectors in bytes, and
+        ``"amx"``, or ``"native"`` for a ``FASTATTN_NATIVE=1`` build), the width of its vectors in bytes, and
         whether this CPU can run it.
     """
     return [

@@ -12,6 +12,11 @@
 
 #include "kernel_table.h"
 
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 namespace fastattn {
 
 #if defined(FASTATTN_LEVEL_GENERIC)
@@ -23,6 +28,9 @@ namespace isa_avx2 { const KernelTable* kernel_table(); }
 #if defined(FASTATTN_LEVEL_AVX512)
 namespace isa_avx512 { const KernelTable* kernel_table(); }
 #endif
+#if defined(FASTATTN_LEVEL_AMX)
+namespace isa_amx { const KernelTable* kernel_table(); }
+#endif
 #if defined(FASTATTN_LEVEL_NATIVE)
 namespace isa_native { const KernelTable* kernel_table(); }
 #endif
@@ -33,9 +41,24 @@ static inline bool cpu_runs_avx512() {
     return cpu_runs_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
 }
+/* AMX also needs the kernel's leave to use the tile data registers (Linux asks each process to
+ * request it, ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA); CPUID and XCR0 alone are not enough. */
+static inline bool os_grants_amx() {
+#if defined(__linux__)
+    const long arch_req_xcomp_perm = 0x1023, xfeature_xtiledata = 18;
+    return syscall(SYS_arch_prctl, arch_req_xcomp_perm, xfeature_xtiledata) == 0;
+#else
+    return false;
+#endif
+}
+static inline bool cpu_runs_amx() {
+    return cpu_runs_avx512() && __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("amx-tile") &&
+           __builtin_cpu_supports("amx-bf16") && os_grants_amx();
+}
 #else
 static inline bool cpu_runs_avx2() { return false; }
 static inline bool cpu_runs_avx512() { return false; }
+static inline bool cpu_runs_amx() { return false; }
 #endif
 
 struct IsaLevel {
@@ -43,7 +66,7 @@ struct IsaLevel {
     bool runs; /* this CPU can run it */
 };
 
-/* The build's levels, lowest first, into `levels` (room for 4); returns how many. */
+/* The build's levels, lowest first, into `levels` (room for 8); returns how many. */
 static inline int build_levels(IsaLevel* levels) {
     int count = 0;
 #if defined(FASTATTN_LEVEL_GENERIC)
@@ -54,6 +77,9 @@ static inline int build_levels(IsaLevel* levels) {
 #endif
 #if defined(FASTATTN_LEVEL_AVX512)
     levels[count++] = IsaLevel{isa_avx512::kernel_table(), cpu_runs_avx512()};
+#endif
+#if defined(FASTATTN_LEVEL_AMX)
+    levels[count++] = IsaLevel{isa_amx::kernel_table(), cpu_runs_amx()};
 #endif
 #if defined(FASTATTN_LEVEL_NATIVE)
     levels[count++] = IsaLevel{isa_native::kernel_table(), true};

@@ -376,30 +376,48 @@ static inline void write_row(const FwdParams& p, int64_t b, int64_t h, int64_t i
  * P = exp(S - m) with m the rows' new running maximum, the running sums take the tile's P (row_sum
  * l = l alpha + sum_j P, alpha = exp(m_old - m)), and the output accumulator O[c][rows] (Dv columns,
  * mp apart) is rescaled by alpha.  exp(s - m) = 2^(s log2(e) - m log2(e)), one FMA and vexp2_softmax.
- * A row whose keys so far are all hidden keeps m = -inf and exponent shift 0, so its P is 0. */
-template <typename T>
-static inline void online_softmax(T* s, int64_t n, int64_t mp, T* row_max, T* row_sum, T* o, int64_t Dv) {
+ * A row whose keys so far are all hidden keeps m = -inf and exponent shift 0, so its P is 0.
+ * The tile's scores are score_scale times S (1 where S is already scaled): S's maximum times
+ * score_scale is the maximum of the scaled scores (rounding is monotone and score_scale > 0), and
+ * the scale folds into the exponent's FMA, so an unscaled tile costs nothing more.
+ * P goes to `keep(j, r, P[j], P[j + 1])`, two keys at a time (P[n] = 0 for an odd n's last pair):
+ * by default back into S (StoreProbabilities); the AMX kernel packs it into its tiles instead. */
+template <typename T> struct StoreProbabilities {
+    T* s;
+    int64_t n, mp;
+    inline void operator()(int64_t j, int64_t r, typename Vec<T>::type p0, typename Vec<T>::type p1) const {
+        vstore(s + j * mp + r, p0);
+        if (j + 1 < n) vstore(s + (j + 1) * mp + r, p1);
+    }
+};
+
+template <typename T, typename Keep>
+static inline void online_softmax(T* s, int64_t n, int64_t mp, T* row_max, T* row_sum, T* o, int64_t Dv,
+                                  T score_scale, const Keep& keep) {
     typedef typename Vec<T>::type V;
     constexpr int L = Vec<T>::lanes;
-    const T log2e = kLog2e<T>;
+    const T log2e = kLog2e<T>, score_log2e = score_scale * kLog2e<T>;
     const V neg_inf = vbroadcast(-std::numeric_limits<T>::infinity());
     for (int64_t r = 0; r < mp; r += L) {
         const V running = vload<V>(row_max + r);
-        V max0 = running, max1 = running; /* two chains: max has latency */
-        int64_t j = 0;
+        const V first = n > 0 ? vload<V>(s + r) : neg_inf;
+        V max0 = first, max1 = first; /* two chains: max has latency */
+        int64_t j = 1;
         for (; j + 2 <= n; j += 2) {
             max0 = vmax(max0, vload<V>(s + j * mp + r));
             max1 = vmax(max1, vload<V>(s + (j + 1) * mp + r));
         }
         if (j < n) max0 = vmax(max0, vload<V>(s + j * mp + r));
-        const V new_max = vmax(max0, max1);
+        const V new_max = vmax(running, vmax(max0, max1) * score_scale);
         const V shift = vselect(new_max == neg_inf, V{}, new_max) * log2e;
         const V alpha = vexp2_softmax(running * log2e - shift);
         V total = V{};
-        for (j = 0; j < n; ++j) {
-            const V prob = vexp2_softmax(vload<V>(s + j * mp + r) * log2e - shift);
-            vstore(s + j * mp + r, prob);
-            total += prob;
+        for (j = 0; j < n; j += 2) {
+            const V p0 = vexp2_softmax(vload<V>(s + j * mp + r) * score_log2e - shift);
+            const V p1 = j + 1 < n ? vexp2_softmax(vload<V>(s + (j + 1) * mp + r) * score_log2e - shift) : V{};
+            keep(j, r, p0, p1);
+            total += p0;
+            total += p1;
         }
         vstore(row_sum + r, vload<V>(row_sum + r) * alpha + total);
         vstore(row_max + r, new_max);
@@ -458,7 +476,7 @@ static void forward_block(const FwdParams& p, T* scratch, int64_t b, int64_t kvh
 
         finish_scores<T>(p, s, nullptr, mp, rows, n, kt, b, kvh, q0, qn, position);
 
-        online_softmax<T>(s, n, mp, row_max, row_sum, o, Dv);
+        online_softmax<T>(s, n, mp, row_max, row_sum, o, Dv, T(1), StoreProbabilities<T>{s, n, mp});
 
         /* O[c][rows] += V^T (P o dropout); row_sum above took P before dropout. */
         if (p.dropout_p > 0) dropout_tile<T>(p, s, mp, 1, rows, n, kt, b, kvh, q0, qn, false);
@@ -671,6 +689,13 @@ static inline int64_t split_length(const FwdParams& p) {
     return round_up((p.seq_k + p.splits - 1) / p.splits, p.key_tile);
 }
 
+#if defined(FASTATTN_HAS_AMX)
+/* bfloat16 items on AMX tiles: flash_amx.h, which kernels.cpp includes at the AMX level. */
+static bool amx_forward_applies(const FwdParams& p, int64_t rows);
+static void forward_block_amx(const FwdParams& p, char* scratch, int64_t b, int64_t kvh, int64_t q0, int64_t qn,
+                              int64_t k_begin, int64_t k_end, float* partial_out, float* partial_lse);
+#endif
+
 template <typename T, typename In>
 static void run_item(const FwdParams& p, char* scratch, int64_t item) {
     const ItemIndex index = decode_item(p, item);
@@ -688,6 +713,12 @@ static void run_item(const FwdParams& p, char* scratch, int64_t item) {
         k_end = std::min(p.seq_k, k_begin + split_length(p));
         for (int64_t r = 0; r < rows; ++r) partial_lse[r] = -std::numeric_limits<T>::infinity();
     }
+#if defined(FASTATTN_HAS_AMX)
+    if constexpr (std::is_same<In, bfloat16_bits>::value) {
+        if (amx_forward_applies(p, p.group * qn))
+            return forward_block_amx(p, scratch, index.b, index.kvh, q0, qn, k_begin, k_end, partial_out, partial_lse);
+    }
+#endif
     T* buffer = reinterpret_cast<T*>(scratch);
     switch (p.group * qn) {
 #define FASTATTN_DOT_CASE(R) \

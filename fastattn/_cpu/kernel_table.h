@@ -18,7 +18,7 @@ namespace fastattn {
 typedef void (*ItemFunction)(const void* params, char* scratch, int64_t item);
 
 struct KernelTable {
-    const char* name; /* "generic", "avx2", "avx512" or "native" */
+    const char* name; /* "generic", "avx2", "avx512", "amx" or "native" */
     int vector_bytes; /* the width of the kernels' vectors: 32, or 64 with AVX-512 */
     size_t (*forward_scratch_bytes)(const FwdParams* params); /* per thread */
     ItemFunction forward_item;                                 /* one (b, kv head, query block, split) */

@@ -4,6 +4,7 @@
  * -DFASTATTN_ISA_NAMESPACE=isa_<level> -DFASTATTN_ISA_NAME="<level>" (isa.h), and links the objects
  * into fastattn._cpu._flash, whose dispatch (dispatch.h) calls the table of the level it chose.
  */
+#include "flash_amx.h"
 #include "flash_backward.h"
 #include "kernel_table.h"
 
@@ -21,7 +22,11 @@ inline namespace FASTATTN_ISA_NAMESPACE {
 
 static size_t forward_scratch_bytes(const FwdParams* p) {
     if (p->dtype == DTYPE_FLOAT64) return sizeof(double) * scratch_elements<double>(*p);
-    return sizeof(float) * scratch_elements<float>(*p);
+    const size_t vectors = sizeof(float) * scratch_elements<float>(*p);
+#if defined(FASTATTN_HAS_AMX)
+    if (p->dtype == DTYPE_BFLOAT16) return std::max(vectors, (size_t)AmxBuffers::bytes(*p));
+#endif
+    return vectors;
 }
 
 static void forward_item(const void* params, char* scratch, int64_t item) {

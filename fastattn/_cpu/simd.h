@@ -22,6 +22,9 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #define FASTATTN_VECTOR_BYTES 64
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define FASTATTN_HAS_AMX 1 /* the AMX level: flash_amx.h's bfloat16 forward */
+#endif
 #else
 #define FASTATTN_VECTOR_BYTES 32
 #endif

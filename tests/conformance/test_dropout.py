@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -155,3 +156,22 @@ def test_philox_known_answers() -> None:
     ]
     for counter, key, expected in vectors:
         assert [int(word) for word in _dropout.philox4x32_10(np, counter, key)] == list(expected)
+
+
+@pytest.mark.parametrize("options", [{}, {"causal": "bottom_right"}, {"window": (20, 3)}])
+def test_bfloat16_tile_shapes_drop_the_references_elements(backend: str, options) -> None:
+    """bfloat16 at shapes the matrix-tile kernels take (head dim 32, value dim 64, 80 query rows a
+    kv head): the same elements dropped as the reference's, kept ones within bfloat16 rounding."""
+    bfloat16 = ml_dtypes.bfloat16
+    rng = np.random.default_rng()
+    batch, heads_q, heads_kv, seq_q, seq_k = 1, 4, 2, 40, 64
+    q = (0.3 * rng.standard_normal((batch, heads_q, seq_q, 32))).astype(bfloat16)
+    k = rng.standard_normal((batch, heads_kv, seq_k, 32)).astype(bfloat16)
+    v = np.broadcast_to(np.eye(seq_k, dtype=bfloat16), (batch, heads_kv, seq_k, seq_k)).copy()
+    seed, offset = int(rng.integers(2**64, dtype=np.uint64)), int(rng.integers(2**32))
+    drop = {"dropout_p": 0.3, "dropout_seed": seed, "dropout_offset": offset}
+    _skip_if_declined(backend, q, k, v, **options, **drop)
+    got = fastattn.attention(q, k, v, backend=backend, **options, **drop).astype(np.float64)
+    want = fastattn.attention(q, k, v, backend="reference", **options, **drop).astype(np.float64)
+    assert np.array_equal(got == 0, want == 0), f"dropped elements differ (seed {seed}, offset {offset})"
+    np.testing.assert_allclose(got, want, rtol=2e-2, atol=1e-6)

@@ -77,6 +77,22 @@ def test_forward_half_precision_matches_oracle(backend: str, device: str, case: 
     check_forward(backend, device, case)
 
 
+@st.composite
+def _tile_shaped(draw, dtypes: tuple[str, ...]) -> Case:
+    """A case the matrix-tile kernels take (the CPU's AMX bfloat16 forward): head dims of 32-row
+    steps, value dims of 16 columns, more query rows than the decode path's 8."""
+    case = draw(cases(dtypes=dtypes).filter(lambda case: case.group * case.seq_q > 8))
+    return dataclasses.replace(
+        case, head_dim=draw(st.sampled_from([32, 64, 128])), head_dim_v=draw(st.sampled_from([16, 48, 64, 128]))
+    )
+
+
+@settings(max_examples=40)
+@given(case=_tile_shaped(dtypes=("bfloat16",)))
+def test_forward_bfloat16_at_tile_shapes_matches_oracle(backend: str, device: str, case: Case) -> None:
+    check_forward(backend, device, case)
+
+
 @settings(max_examples=40)
 @given(case=cases(), seq_k=st.integers(1, 600))
 def test_decode_single_query(backend: str, device: str, case: Case, seq_k: int) -> None:

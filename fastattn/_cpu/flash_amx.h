@@ -1,0 +1,432 @@
+/* Flash attention forward for bfloat16 inputs on AMX (Intel Sapphire Rapids and later).
+ *
+ * The same work item, rows-as-lanes layout and online softmax as forward_block (flash_forward.h):
+ * only the two products move from FMA vectors to AMX tiles.  `tdpbf16ps` multiplies a 16 x 32
+ * bfloat16 tile A by a 32 x 16 tile B held in pairs ("VNNI": row i of B holds the pairs
+ * (B[2i][c], B[2i+1][c])) into a 16 x 16 float32 tile C, 16384 flops an instruction, one every 16
+ * cycles: 3.4 TFLOP/s on one core of the Xeon this was measured on (family 6 model 167), against
+ * 0.24 for float32 FMA and 0.12 for `vdpbf16ps`, which runs at half rate there.  So the products
+ * cost little and the float32 softmax between them sets the pace.
+ *
+ *   S^T[keys][rows] = K Q^T   A = 16 keys x 32 dims, read in place from K (its rows are A's rows);
+ *                             B = Q^T in pairs of dims, packed once per item: Qb[row tile][D/2][16][2]
+ *   O^T[cols][rows] += V^T P^T  A = V^T, 16 columns x 32 keys: V transposed per key tile into
+ *                             Vt[column block][key step][16][32] (the one transpose either order of
+ *                             the products needs: K or V is the transposed operand);
+ *                             B = P in pairs of keys: Pb[row tile][N/2][16][2], P rounded to bfloat16
+ *                             as the GPU kernels do (the row sums take the float32 P)
+ * S^T and O^T land in forward_block's float32 buffers S[j][rows] and O[Dv][rows], so the score
+ * finishing (causal/window edges, masks, softcap), the online softmax, dropout and the output
+ * writing are forward_block's own.  Q is not pre-scaled (a bfloat16 Q times scale would round
+ * again): online_softmax folds the scale into its exponent, or, where masks or softcap need scaled
+ * scores, one pass scales S first.
+ *
+ * Tiles: all eight are 16 rows x 64 bytes (one configuration for the whole item).  Both products
+ * run 2 x 2 blocks: four C tiles (0-3) accumulate while two A tiles (4, 5) and two B tiles (6, 7)
+ * are loaded per 32-deep step, so each loaded tile feeds two products.  Keys past the tile's end are
+ * zero in the packed operands (zero P times zero V: a NaN past the end cannot leak in); K's last
+ * partial block of 16 rows is copied into a zero-padded block rather than read past the array.
+ *
+ * Taken when: bfloat16 inputs, D a multiple of 32, Dv of 16, key_tile of 32, more rows than the
+ * decode path's, and no rerun that must skip zero weights (a product inside a tile cannot be
+ * skipped); otherwise forward_block runs on float32 conversions as before.
+ */
+#ifndef FASTATTN_FLASH_AMX_H
+#define FASTATTN_FLASH_AMX_H
+
+#include "flash_forward.h"
+
+#if defined(FASTATTN_HAS_AMX)
+
+namespace fastattn {
+inline namespace FASTATTN_ISA_NAMESPACE {
+
+/* The 64-byte operand of LDTILECFG, palette 1. */
+struct alignas(64) TileConfig {
+    uint8_t palette, start_row;
+    uint8_t reserved[14];
+    uint16_t bytes_per_row[16];
+    uint8_t rows[16];
+};
+
+static inline void configure_tiles() {
+    TileConfig config;
+    std::memset(&config, 0, sizeof(config));
+    config.palette = 1;
+    for (int t = 0; t < 8; ++t) {
+        config.bytes_per_row[t] = 64;
+        config.rows[t] = 16;
+    }
+    _tile_loadconfig(&config);
+}
+
+static bool amx_forward_applies(const FwdParams& p, int64_t rows) {
+    return p.head_dim % 32 == 0 && p.head_dim_v % 16 == 0 && p.key_tile % 32 == 0 && !p.skip_zero_weights &&
+           rows > kDotMaxRows;
+}
+
+static inline int64_t align64(int64_t bytes) { return (bytes + 63) / 64 * 64; }
+
+/* The item's buffers, carved from the thread's scratch (64-byte aligned). */
+struct AmxBuffers {
+    float *s, *o, *row_max, *row_sum, *position;
+    uint16_t *qb, *pb, *vt, *k_block;
+
+    static int64_t bytes(const FwdParams& p) { return AmxBuffers().carve(p, nullptr); }
+
+    int64_t carve(const FwdParams& p, char* base) {
+        const int64_t mp = round_up(p.group * p.block_queries, 32), N = p.key_tile;
+        const int64_t D = p.head_dim, Dv = p.head_dim_v;
+        const int64_t sizes[] = {4 * N * mp, 4 * Dv * mp, 4 * mp, 4 * mp, 4 * mp, 2 * mp * D, 2 * N * mp, 2 * Dv * N,
+                                 2 * 16 * D};
+        void** slots[] = {(void**)&s,   (void**)&o,  (void**)&row_max, (void**)&row_sum, (void**)&position,
+                          (void**)&qb,  (void**)&pb, (void**)&vt,      (void**)&k_block};
+        int64_t offset = 0;
+        for (int i = 0; i < 9; ++i) {
+            if (base) *slots[i] = base + offset;
+            offset += align64(sizes[i]);
+        }
+        return offset;
+    }
+};
+
+/* ---- packing ------------------------------------------------------------------------------------ */
+
+/* Qb[rt][D/2][16][2]: the B tiles of S^T = K Q^T, row tile rt, 32 dims a step (16 pair-rows). */
+static void pack_queries(const FwdParams& p, int64_t b, int64_t kvh, int64_t q0, int64_t qn, int64_t mp,
+                         uint16_t* qb) {
+    const int64_t D = p.head_dim, rows = p.group * qn;
+    uint32_t* dst = reinterpret_cast<uint32_t*>(qb);
+    for (int64_t r = 0; r < mp; ++r) {
+        uint32_t* tile = dst + (r / 16) * (D / 2) * 16 + r % 16;
+        if (r >= rows) {
+            for (int64_t pair = 0; pair < D / 2; ++pair) tile[pair * 16] = 0;
+            continue;
+        }
+        const int64_t g = r / qn, i = q0 + r % qn, h = kvh * p.group + g;
+        const uint16_t* src = at<uint16_t>(p.q, b * p.q_stride[0] + h * p.q_stride[1] + i * p.q_stride[2]);
+        for (int64_t pair = 0; pair < D / 2; ++pair) {
+            uint32_t both;
+            std::memcpy(&both, src + 2 * pair, 4);
+            tile[pair * 16] = both;
+        }
+    }
+}
+
+/* Rows r[0..15] of 16 dwords become their transpose (three shuffle stages, 64 instructions). */
+static inline void transpose_16x16_dwords(__m512i r[16]) {
+    __m512i a[16], c[16];
+    for (int k = 0; k < 16; k += 2) {
+        a[k] = _mm512_unpacklo_epi32(r[k], r[k + 1]);
+        a[k + 1] = _mm512_unpackhi_epi32(r[k], r[k + 1]);
+    }
+    for (int k = 0; k < 16; k += 4) { /* c[k + m], lane L: rows k..k+3 at column 4L + m */
+        c[k] = _mm512_unpacklo_epi64(a[k], a[k + 2]);
+        c[k + 1] = _mm512_unpackhi_epi64(a[k], a[k + 2]);
+        c[k + 2] = _mm512_unpacklo_epi64(a[k + 1], a[k + 3]);
+        c[k + 3] = _mm512_unpackhi_epi64(a[k + 1], a[k + 3]);
+    }
+    for (int m = 0; m < 4; ++m) {
+        const __m512i even0 = _mm512_shuffle_i32x4(c[m], c[4 + m], 0x88), odd0 = _mm512_shuffle_i32x4(c[m], c[4 + m], 0xDD);
+        const __m512i even1 = _mm512_shuffle_i32x4(c[8 + m], c[12 + m], 0x88),
+                      odd1 = _mm512_shuffle_i32x4(c[8 + m], c[12 + m], 0xDD);
+        r[m] = _mm512_shuffle_i32x4(even0, even1, 0x88);
+        r[4 + m] = _mm512_shuffle_i32x4(odd0, odd1, 0x88);
+        r[8 + m] = _mm512_shuffle_i32x4(even0, even1, 0xDD);
+        r[12 + m] = _mm512_shuffle_i32x4(odd0, odd1, 0xDD);
+    }
+}
+
+/* Word index that interleaves the two halves of a 32-word vector: (w0, w16, w1, w17, ...). */
+static inline __m512i interleave_halves_index() {
+    alignas(64) static const uint16_t index[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
+                                                   8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+    return _mm512_load_si512(index);
+}
+
+/* Vt[cb][ks][16][32]: the A tiles of O^T += V^T P^T for the tile's n keys (rows v, v_stride
+ * elements apart), keys from n up to the next multiple of 32 zero.  Per 32 keys x 16 columns: rows
+ * 2i and 2i+1 interleave into dwords (V[2i][c], V[2i+1][c]), then a 16 x 16 dword transpose makes
+ * row c = (V[0][c], V[1][c], ..., V[31][c]). */
+static void pack_values_transposed(const uint16_t* v, int64_t v_stride, int64_t n, int64_t Dv, uint16_t* vt) {
+    const __m512i interleave = interleave_halves_index();
+    const int64_t steps = (n + 31) / 32;
+    for (int64_t ks = 0; ks < steps; ++ks) {
+        const int64_t keys = std::min<int64_t>(32, n - ks * 32);
+        for (int64_t cb = 0; cb < Dv / 16; ++cb) {
+            __m512i r[16];
+            for (int i = 0; i < 16; ++i) {
+                const int64_t k0 = 2 * i, k1 = 2 * i + 1;
+                const uint16_t* row0 = v + (ks * 32 + k0) * v_stride + cb * 16;
+                const __m256i low = k0 < keys ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row0))
+                                              : _mm256_setzero_si256();
+                const __m256i high = k1 < keys ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row0 + v_stride))
+                                               : _mm256_setzero_si256();
+                r[i] = _mm512_permutexvar_epi16(interleave, _mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1));
+            }
+            transpose_16x16_dwords(r);
+            uint16_t* tile = vt + (cb * steps + ks) * 16 * 32;
+            for (int c = 0; c < 16; ++c) _mm512_storeu_si512(tile + c * 32, r[c]);
+        }
+    }
+}
+
+/* Pb[rt][N/2][16][2]: the B tiles of O^T += V^T P^T, P rounded to bfloat16.  online_softmax hands
+ * over keys j and j + 1 of 16 rows (r, a multiple of 16) as they are computed, so P never returns to
+ * S; `zero_tail` then clears the pairs from n up to the next multiple of 32 keys. */
+struct PackProbabilities {
+    uint16_t* pb;
+    int64_t N;
+    __m512i interleave;
+
+    inline void operator()(int64_t j, int64_t r, __m512 p0, __m512 p1) const {
+        const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(p1, p0); /* words 0-15: p0, 16-31: p1 */
+        _mm512_storeu_si512(pb + (r / 16) * N * 16 + j * 16, _mm512_permutexvar_epi16(interleave, both));
+    }
+
+    void zero_tail(int64_t n, int64_t mp) const {
+        for (int64_t rt = 0; rt < mp / 16; ++rt)
+            for (int64_t j = round_up(n, 2); j < round_up(n, 32); j += 2)
+                _mm512_storeu_si512(pb + rt * N * 16 + j * 16, _mm512_setzero_si512());
+    }
+
+    /* From P already in S[j][rows] (the dropout path, which scales P after the row sums took it). */
+    void pack(const float* s, int64_t n, int64_t mp) const {
+        for (int64_t r = 0; r < mp; r += 16)
+            for (int64_t j = 0; j < n; j += 2)
+                (*this)(j, r, _mm512_loadu_ps(s + j * mp + r),
+                        j + 1 < n ? _mm512_loadu_ps(s + (j + 1) * mp + r) : _mm512_setzero_ps());
+        zero_tail(n, mp);
+    }
+};
+
+/* Normalise and write the item's rows from O^T[Dv][rows]: 16 x 16 blocks transposed in registers,
+ * each row scaled by 1 / row_sum, rounded to bfloat16 (or kept float32 for a key split's partial
+ * output) and stored whole; then each row's lse.  Same conventions as write_row. */
+static void write_rows(const FwdParams& p, int64_t b, int64_t kvh, int64_t q0, int64_t qn, int64_t rows, int64_t mp,
+                       const float* o, const float* row_max, const float* row_sum, float* partial_out,
+                       float* partial_lse) {
+    const int64_t Dv = p.head_dim_v;
+    const float neg_inf = -std::numeric_limits<float>::infinity();
+    __mmask16 nonfinite = 0;
+    for (int64_t rt = 0; rt < mp / 16 && rt * 16 < rows; ++rt) {
+        float inverse[16];
+        for (int i = 0; i < 16; ++i) {
+            const int64_t r = std::min(rt * 16 + i, rows - 1);
+            inverse[i] = row_sum[r] != 0.0f ? 1.0f / row_sum[r] : 0.0f;
+        }
+        for (int64_t cb = 0; cb < Dv / 16; ++cb) {
+            __m512i block[16];
+            for (int c = 0; c < 16; ++c) block[c] = _mm512_castps_si512(_mm512_loadu_ps(o + (cb * 16 + c) * mp + rt * 16));
+            transpose_16x16_dwords(block);
+            for (int i = 0; i < 16 && rt * 16 + i < rows; ++i) {
+                const int64_t r = rt * 16 + i;
+                const __m512 value = _mm512_mul_ps(_mm512_castsi512_ps(block[i]), _mm512_set1_ps(inverse[i]));
+                if (partial_out) {
+                    _mm512_storeu_ps(partial_out + r * Dv + cb * 16, value);
+                    continue;
+                }
+                nonfinite |= _mm512_cmp_ps_mask(_mm512_sub_ps(value, value), _mm512_setzero_ps(), _CMP_NEQ_UQ);
+                const int64_t h = kvh * p.group + r / qn, i_query = q0 + r % qn;
+                uint16_t* dst = reinterpret_cast<uint16_t*>(p.out) + b * p.out_stride[0] + h * p.out_stride[1] +
+                                i_query * p.out_stride[2] + cb * 16;
+                _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), (__m256i)_mm512_cvtneps_pbh(value));
+            }
+        }
+    }
+    if (nonfinite) note_stored(p, std::numeric_limits<double>::quiet_NaN());
+    for (int64_t r = 0; r < rows; ++r) {
+        const bool saw_key = row_sum[r] != 0.0f; /* NaN is not "no key": it poisons the row */
+        const float lse = saw_key ? row_max[r] + std::log(row_sum[r]) : neg_inf;
+        if (partial_out) {
+            partial_lse[r] = lse;
+            continue;
+        }
+        const int64_t h = kvh * p.group + r / qn, i = q0 + r % qn;
+        *(reinterpret_cast<float*>(p.lse) + b * p.lse_stride[0] + h * p.lse_stride[1] + i * p.lse_stride[2]) = lse;
+    }
+}
+
+/* ---- the two products ----------------------------------------------------------------------------- */
+
+/* One 2 x 2 (or smaller) block of S^T: key blocks k0 (and k0 + 16), row tiles rt (and rt + 1). */
+template <int KB, int RT>
+static inline void scores_block(const uint16_t* k_rows0, const uint16_t* k_rows1, int64_t k_bytes, const uint16_t* qb,
+                                int64_t D, int64_t rt, float* s, int64_t mp) {
+    _tile_zero(0);
+    if (RT > 1) _tile_zero(1);
+    if (KB > 1) _tile_zero(2);
+    if (KB > 1 && RT > 1) _tile_zero(3);
+    for (int64_t step = 0; step < D / 32; ++step) {
+        _tile_loadd(4, k_rows0 + step * 32, k_bytes);
+        if (KB > 1) _tile_loadd(5, k_rows1 + step * 32, k_bytes);
+        _tile_loadd(6, qb + (rt * (D / 2) + step * 16) * 32, 64);
+        if (RT > 1) _tile_loadd(7, qb + ((rt + 1) * (D / 2) + step * 16) * 32, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        if (RT > 1) _tile_dpbf16ps(1, 4, 7);
+        if (KB > 1) _tile_dpbf16ps(2, 5, 6);
+        if (KB > 1 && RT > 1) _tile_dpbf16ps(3, 5, 7);
+    }
+    const int64_t s_bytes = mp * 4;
+    float* first = s + rt * 16;
+    _tile_stored(0, first, s_bytes);
+    if (RT > 1) _tile_stored(1, first + 16, s_bytes);
+    if (KB > 1) _tile_stored(2, first + 16 * mp, s_bytes);
+    if (KB > 1 && RT > 1) _tile_stored(3, first + 16 * mp + 16, s_bytes);
+}
+
+/* S^T[j][rows] for the tile's n keys (rounded up to 16; the padded keys' scores are never read). */
+static void tile_scores(const uint16_t* k, int64_t k_stride, int64_t n, const uint16_t* qb, int64_t D, float* s,
+                        int64_t mp, uint16_t* k_block) {
+    const int64_t blocks = (n + 15) / 16, row_tiles = mp / 16, k_bytes = k_stride * 2;
+    const int64_t tail = n % 16;
+    if (tail) { /* the last block's missing rows: zeros, not whatever follows K */
+        std::memset(k_block, 0, sizeof(uint16_t) * 16 * D);
+        for (int64_t j = 0; j < tail; ++j) std::memcpy(k_block + j * D, k + (n - tail + j) * k_stride, 2 * D);
+    }
+    auto rows_of = [&](int64_t block, int64_t* bytes) -> const uint16_t* {
+        if (tail && block == blocks - 1) {
+            *bytes = D * 2;
+            return k_block;
+        }
+        *bytes = k_bytes;
+        return k + block * 16 * k_stride;
+    };
+    for (int64_t kb = 0; kb < blocks; kb += 2) {
+        int64_t bytes0, bytes1 = 0;
+        const uint16_t* rows0 = rows_of(kb, &bytes0);
+        const bool pair = kb + 1 < blocks;
+        const uint16_t* rows1 = pair ? rows_of(kb + 1, &bytes1) : nullptr;
+        float* block_s = s + kb * 16 * mp;
+        if (pair && bytes0 != bytes1) { /* the padded block has its own stride: one block at a time */
+            for (int64_t rt = 0; rt < row_tiles; ++rt) {
+                scores_block<1, 1>(rows0, nullptr, bytes0, qb, D, rt, block_s, mp);
+                scores_block<1, 1>(rows1, nullptr, bytes1, qb, D, rt, block_s + 16 * mp, mp);
+            }
+            continue;
+        }
+        int64_t rt = 0;
+        for (; rt + 2 <= row_tiles; rt += 2) {
+            if (pair)
+                scores_block<2, 2>(rows0, rows1, bytes0, qb, D, rt, block_s, mp);
+            else
+                scores_block<1, 2>(rows0, nullptr, bytes0, qb, D, rt, block_s, mp);
+        }
+        if (rt < row_tiles) {
+            if (pair)
+                scores_block<2, 1>(rows0, rows1, bytes0, qb, D, rt, block_s, mp);
+            else
+                scores_block<1, 1>(rows0, nullptr, bytes0, qb, D, rt, block_s, mp);
+        }
+    }
+}
+
+/* One 2 x 2 (or smaller) block of O^T: column blocks cb (and cb + 1), row tiles rt (and rt + 1). */
+template <int CB, int RT>
+static inline void output_block(const uint16_t* vt, int64_t steps, int64_t cb, const uint16_t* pb, int64_t N,
+                                int64_t rt, int64_t key_steps, float* o, int64_t mp) {
+    const int64_t o_bytes = mp * 4;
+    float* first = o + cb * 16 * mp + rt * 16;
+    _tile_loadd(0, first, o_bytes);
+    if (RT > 1) _tile_loadd(1, first + 16, o_bytes);
+    if (CB > 1) _tile_loadd(2, first + 16 * mp, o_bytes);
+    if (CB > 1 && RT > 1) _tile_loadd(3, first + 16 * mp + 16, o_bytes);
+    for (int64_t ks = 0; ks < key_steps; ++ks) {
+        _tile_loadd(4, vt + (cb * steps + ks) * 512, 64);
+        if (CB > 1) _tile_loadd(5, vt + ((cb + 1) * steps + ks) * 512, 64);
+        _tile_loadd(6, pb + rt * N * 16 + ks * 512, 64);
+        if (RT > 1) _tile_loadd(7, pb + (rt + 1) * N * 16 + ks * 512, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        if (RT > 1) _tile_dpbf16ps(1, 4, 7);
+        if (CB > 1) _tile_dpbf16ps(2, 5, 6);
+        if (CB > 1 && RT > 1) _tile_dpbf16ps(3, 5, 7);
+    }
+    _tile_stored(0, first, o_bytes);
+    if (RT > 1) _tile_stored(1, first + 16, o_bytes);
+    if (CB > 1) _tile_stored(2, first + 16 * mp, o_bytes);
+    if (CB > 1 && RT > 1) _tile_stored(3, first + 16 * mp + 16, o_bytes);
+}
+
+/* O^T[Dv][rows] += V^T P^T over the tile's keys (key_steps of 32). */
+static void tile_output(const uint16_t* vt, const uint16_t* pb, int64_t N, int64_t key_steps, int64_t Dv, float* o,
+                        int64_t mp) {
+    const int64_t column_blocks = Dv / 16, row_tiles = mp / 16;
+    for (int64_t cb = 0; cb < column_blocks; cb += 2) {
+        const bool pair = cb + 1 < column_blocks;
+        int64_t rt = 0;
+        for (; rt + 2 <= row_tiles; rt += 2) {
+            if (pair)
+                output_block<2, 2>(vt, key_steps, cb, pb, N, rt, key_steps, o, mp);
+            else
+                output_block<1, 2>(vt, key_steps, cb, pb, N, rt, key_steps, o, mp);
+        }
+        if (rt < row_tiles) {
+            if (pair)
+                output_block<2, 1>(vt, key_steps, cb, pb, N, rt, key_steps, o, mp);
+            else
+                output_block<1, 1>(vt, key_steps, cb, pb, N, rt, key_steps, o, mp);
+        }
+    }
+}
+
+/* ---- one work item --------------------------------------------------------------------------------- */
+
+static void forward_block_amx(const FwdParams& p, char* scratch, int64_t b, int64_t kvh, int64_t q0, int64_t qn,
+                              int64_t k_begin, int64_t k_end, float* partial_out, float* partial_lse) {
+    const int64_t D = p.head_dim, Dv = p.head_dim_v, G = p.group, N = p.key_tile;
+    const int64_t rows = G * qn, mp = round_up(rows, rows <= 16 ? 16 : 32);
+    AmxBuffers buffers;
+    buffers.carve(p, scratch);
+    float* s = buffers.s;
+    float* o = buffers.o;
+
+    pack_queries(p, b, kvh, q0, qn, mp, buffers.qb);
+    for (int64_t r = 0; r < mp; ++r) {
+        buffers.position[r] = (float)((r < rows ? q0 + r % qn : q0) + p.offset);
+        buffers.row_max[r] = -std::numeric_limits<float>::infinity();
+        buffers.row_sum[r] = 0.0f;
+    }
+    std::memset(o, 0, sizeof(float) * Dv * mp);
+
+    int64_t lo, hi;
+    visible_keys(p, b, q0, qn, k_begin, k_end, &lo, &hi);
+    /* Masks and softcap see scaled scores; otherwise the scale rides in the softmax's exponent. */
+    const bool scale_first = p.softcap > 0 || p.mask_kind != MASK_NONE;
+    const float scale = (float)p.scale;
+
+    const PackProbabilities packer{buffers.pb, N, interleave_halves_index()};
+    configure_tiles();
+    for (int64_t kt = lo; kt < hi; kt += N) {
+        const int64_t n = std::min(N, hi - kt);
+        const uint16_t* k = at<uint16_t>(p.k, b * p.k_stride[0] + kvh * p.k_stride[1] + kt * p.k_stride[2]);
+        const uint16_t* v = at<uint16_t>(p.v, b * p.v_stride[0] + kvh * p.v_stride[1] + kt * p.v_stride[2]);
+        if (kt + N < hi) prefetch_kv<bfloat16_bits>(p, b, kvh, kt + N, std::min(N, hi - kt - N));
+
+        tile_scores(k, p.k_stride[2], n, buffers.qb, D, s, mp, buffers.k_block);
+        if (scale_first) {
+            const __m512 factor = _mm512_set1_ps(scale);
+            for (int64_t e = 0; e < n * mp; e += 16) _mm512_storeu_ps(s + e, _mm512_mul_ps(_mm512_loadu_ps(s + e), factor));
+        }
+        finish_scores<float>(p, s, nullptr, mp, rows, n, kt, b, kvh, q0, qn, buffers.position);
+        const float score_scale = scale_first ? 1.0f : scale;
+        if (p.dropout_p > 0) {
+            online_softmax<float>(s, n, mp, buffers.row_max, buffers.row_sum, o, Dv, score_scale,
+                                  StoreProbabilities<float>{s, n, mp});
+            dropout_tile<float>(p, s, mp, 1, rows, n, kt, b, kvh, q0, qn, false);
+            packer.pack(s, n, mp);
+        } else {
+            online_softmax<float>(s, n, mp, buffers.row_max, buffers.row_sum, o, Dv, score_scale, packer);
+            packer.zero_tail(n, mp);
+        }
+        pack_values_transposed(v, p.v_stride[2], n, Dv, buffers.vt);
+        tile_output(buffers.vt, buffers.pb, N, (n + 31) / 32, Dv, o, mp);
+    }
+    _tile_release();
+    write_rows(p, b, kvh, q0, qn, rows, mp, o, buffers.row_max, buffers.row_sum, partial_out, partial_lse);
+}
+
+}  // namespace FASTATTN_ISA_NAMESPACE
+}  // namespace fastattn
+
+#endif
+#endif
