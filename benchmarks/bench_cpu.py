@@ -8,12 +8,15 @@ best sgemm (numpy's under this environment's OpenBLAS, numpy's again in a child 
 ``machine_ceilings.c`` compiled with ``-march=native``, the float32 FMA peak of a register-only loop
 and the DRAM read bandwidth, all on the same threads.  Each row shows its ratio to torch and to
 those ceilings; the JSON names the CPU (model, family, ISA flags) and the kernels' level.
+``--dtype bfloat16`` (or ``float16``) times the same cases in that dtype, against torch's SDPA in
+it, with torch's gemm in that dtype as the gemm ceiling (numpy naive runs float32 only).
 ``--memory`` adds the (1, 8, 32768, 32768, 128) causal forward (and forward+backward) and reports
 peak RSS beyond inputs, outputs and gradients, measured in a subprocess.
 
     python benchmarks/bench_cpu.py                 # table + benchmarks/results/cpu-<date>.json
     python benchmarks/bench_cpu.py --cases C1 C6 --repeats 7
     python benchmarks/bench_cpu.py --impls fastattn --passes forward   # one implementation only
+    python benchmarks/bench_cpu.py --dtype bfloat16 --passes forward   # against torch's bf16 SDPA and gemm
 """
 
 from __future__ import annotations
@@ -35,10 +38,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
 import fastattn
 from fastattn._bench import numpy_naive_attention
+
+#: The input dtypes a run may time (``--dtype``); numpy naive runs float32 only.
+DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 
 CASES: dict[str, tuple[int, int, int, int, int, int, bool]] = {
     "C1": (1, 8, 8, 1024, 1024, 64, False),
@@ -111,8 +118,17 @@ _SGEMM_CHILD = (
 OPENBLAS_VARIABLES = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
 
 
-def ceilings(torch: Any, repeats: int, threads: int) -> dict[str, float]:
-    """The machine's ceilings, measured now: sgemm three ways, FMA peak and read bandwidth (GFLOP/s, GB/s)."""
+def torch_tensor(torch: Any, array: np.ndarray) -> Any:
+    """A torch tensor sharing ``array``'s memory (bfloat16 through an int16 view: torch.from_numpy
+    does not know ml_dtypes)."""
+    if array.dtype == ml_dtypes.bfloat16:
+        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(array)
+
+
+def ceilings(torch: Any, repeats: int, threads: int, dtype: str = "float32") -> dict[str, float]:
+    """The machine's ceilings, measured now: sgemm three ways, FMA peak and read bandwidth (GFLOP/s,
+    GB/s); for a half-precision ``dtype`` also torch's gemm in it.  ``gemm`` is the dtype's best."""
     found = {"sgemm numpy": sgemm_gflops(repeats)}
     if any(name in os.environ for name in OPENBLAS_VARIABLES):
         clean = {key: value for key, value in os.environ.items() if key not in OPENBLAS_VARIABLES}
@@ -138,6 +154,11 @@ def ceilings(torch: Any, repeats: int, threads: int) -> dict[str, float]:
             native.read_gbytes_per_s(address, buffer.size, threads) for _ in range(repeats)
         )
     found["sgemm"] = max(value for key, value in found.items() if key.startswith("sgemm"))
+    found["gemm"] = found["sgemm"]
+    if dtype != "float32" and torch is not None:
+        half = torch_tensor(torch, np.random.default_rng(0).standard_normal((SGEMM_SIZE, SGEMM_SIZE)).astype(DTYPES[dtype]))
+        found[f"{dtype} gemm torch"] = 2 * SGEMM_SIZE**3 / median_seconds(lambda: torch.mm(half, half), repeats) / 1e9
+        found["gemm"] = found[f"{dtype} gemm torch"]
     return found
 
 
@@ -246,10 +267,10 @@ def implementations(torch: Any, direction: str) -> dict[str, Callable[..., Calla
             sdpa = torch.nn.functional.scaled_dot_product_attention
             gqa = q.shape[1] != k.shape[1]
             if direction == "forward":
-                tq, tk, tv = (torch.from_numpy(x) for x in (q, k, v))
+                tq, tk, tv = (torch_tensor(torch, x) for x in (q, k, v))
                 return lambda: sdpa(tq, tk, tv, is_causal=causal, enable_gqa=gqa)
-            leaves = [torch.from_numpy(x).requires_grad_() for x in (q, k, v)]
-            grad = torch.from_numpy(dout)
+            leaves = [torch_tensor(torch, x).requires_grad_() for x in (q, k, v)]
+            grad = torch_tensor(torch, dout)
 
             def both():
                 for leaf in leaves:
@@ -262,13 +283,16 @@ def implementations(torch: Any, direction: str) -> dict[str, Callable[..., Calla
     return found
 
 
-def run_case(name: str, direction: str, impls: dict[str, Callable[..., Callable[[], Any]]], repeats: int) -> list[dict[str, Any]]:
+def run_case(
+    name: str, direction: str, impls: dict[str, Callable[..., Callable[[], Any]]], repeats: int, dtype: str = "float32"
+) -> list[dict[str, Any]]:
     batch, heads_q, heads_kv, seq_q, seq_k, dim, causal = CASES[name]
     rng = np.random.default_rng(1)
-    q = rng.standard_normal((batch, heads_q, seq_q, dim), dtype=np.float32)
-    k = rng.standard_normal((batch, heads_kv, seq_k, dim), dtype=np.float32)
-    v = rng.standard_normal((batch, heads_kv, seq_k, dim), dtype=np.float32)
-    dout = rng.standard_normal((batch, heads_q, seq_q, dim), dtype=np.float32)
+    q, k, v, dout = (
+        rng.standard_normal(shape, dtype=np.float32).astype(DTYPES[dtype])
+        for shape in ((batch, heads_q, seq_q, dim), (batch, heads_kv, seq_k, dim), (batch, heads_kv, seq_k, dim),
+                      (batch, heads_q, seq_q, dim))
+    )
     flops = forward_flops(batch, heads_q, seq_q, seq_k, dim, causal) * (3.5 if direction == "forward+backward" else 1)
     kv_bytes = k.nbytes + v.nbytes
     print(f"  {name} {direction}", file=sys.stderr, flush=True)
@@ -336,12 +360,14 @@ def memory_case(direction: str) -> dict[str, Any]:
     return dict(json.loads(result.stdout.strip().splitlines()[-1]), direction=direction)
 
 
-def format_table(rows: list[dict[str, Any]], ceiling: dict[str, float]) -> str:
-    """One line per (case, pass, implementation): time, rates, and the ratios to torch and to the ceilings."""
+def format_table(rows: list[dict[str, Any]], ceiling: dict[str, float], dtype: str = "float32") -> str:
+    """One line per (case, pass, implementation): time, rates, and the ratios to torch and to the
+    ceilings (the gemm column: sgemm for float32, torch's gemm in the dtype otherwise)."""
     torch_ms = {(r["case"], r["pass"]): r["median_ms"] for r in rows if r["implementation"] == "torch sdpa"}
+    gemm = "of sgemm" if dtype == "float32" else "of gemm"
     header = (
         f"{'case':<5} {'pass':<16} {'implementation':<14} {'ms':>9} {'GFLOP/s':>8} {'KV GB/s':>8} "
-        f"{'vs torch':>9} {'of sgemm':>9} {'of FMA':>7} {'of read':>8}"
+        f"{'vs torch':>9} {gemm:>9} {'of FMA':>7} {'of read':>8}"
     )
     lines = [header, "-" * len(header)]
     for row in rows:
@@ -350,7 +376,7 @@ def format_table(rows: list[dict[str, Any]], ceiling: dict[str, float]) -> str:
         read = row["kv_gbytes_per_s"] / ceiling.get("read bandwidth", math.nan)
         lines.append(
             f"{row['case']:<5} {row['pass']:<16} {row['implementation']:<14} {row['median_ms']:>9.2f} "
-            f"{row['gflops']:>8.1f} {row['kv_gbytes_per_s']:>8.1f} {ratio:>8.2f}x {row['gflops'] / ceiling['sgemm']:>8.0%} "
+            f"{row['gflops']:>8.1f} {row['kv_gbytes_per_s']:>8.1f} {ratio:>8.2f}x {row['gflops'] / ceiling['gemm']:>8.0%} "
             f"{fma:>7.0%} {read:>8.0%}"
         )
     return "\n".join(lines)
@@ -384,6 +410,10 @@ def main(argv: list[str] | None = None) -> int:
         "--impls", nargs="+", default=["fastattn", "torch", "numpy"], choices=["fastattn", "torch", "numpy"],
         help="implementations to time (default all)",
     )
+    parser.add_argument(
+        "--dtype", default="float32", choices=list(DTYPES),
+        help="input dtype (default float32); half precisions add torch's gemm in that dtype as the ceiling",
+    )
     parser.add_argument("--memory", action="store_true", help="also run the 32768-token memory case")
     parser.add_argument("--json", type=Path, help="output path (default benchmarks/results/cpu-<date>.json)")
     arguments = parser.parse_args(argv)
@@ -394,29 +424,32 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(fastattn.get_num_threads())
     except ImportError:
         torch = None
-    ceiling = ceilings(torch, arguments.repeats, fastattn.get_num_threads())
+    ceiling = ceilings(torch, arguments.repeats, fastattn.get_num_threads(), arguments.dtype)
     wanted = {"fastattn cpu": "fastattn", "torch sdpa": "torch", "numpy naive": "numpy"}
     rows = []
     for direction in arguments.passes:
         impls = {
             label: make
             for label, make in implementations(torch, direction).items()
-            if wanted[label] in arguments.impls and not (arguments.no_numpy and label == "numpy naive")
+            if wanted[label] in arguments.impls
+            and not ((arguments.no_numpy or arguments.dtype != "float32") and label == "numpy naive")
         }
         for name in arguments.cases:
             if direction == "forward+backward" and CASES[name][3] == 1:
                 continue  # decode (Sq = 1) is an inference path: forward only
-            rows.extend(run_case(name, direction, impls, arguments.repeats))
+            rows.extend(run_case(name, direction, impls, arguments.repeats, arguments.dtype))
     machine = machine_description()
     print(f"CPU: {machine.get('model_name')} (family {machine.get('family')}, model {machine.get('model')}), "
           f"{machine['cores']} logical CPUs, {fastattn.get_num_threads()} threads; fastattn level {machine['fastattn_isa']}")
-    print(format_table(rows, ceiling))
+    print(f"dtype: {arguments.dtype}")
+    print(format_table(rows, ceiling, arguments.dtype))
     print("ceilings: " + ", ".join(f"{key} {value:.1f}" for key, value in ceiling.items()) + f"; BLAS: {blas_description()}")
     ratios = summary(rows)
     print("fastattn cpu / torch: " + ", ".join(f"{key} {value:.2f}x" for key, value in ratios.items()))
     report: dict[str, Any] = {
         "machine": machine,
         "threads": fastattn.get_num_threads(),
+        "dtype": arguments.dtype,
         "torch": None if torch is None else torch.__version__,
         "numpy": np.__version__,
         "blas": blas_description(),
