@@ -82,7 +82,7 @@ class IsaLevel(NamedTuple):
 #: x86-64 levels, lowest first; fastattn/_cpu/dispatch.h checks the same extensions by CPUID.
 _X86_LEVELS = [
     IsaLevel("generic", ["-march=x86-64", "-mtune=generic"]),
-    IsaLevel("avx2", ["-march=x86-64", "-mtune=generic", "-mavx2", "-mfma"]),
+    IsaLevel("avx2", ["-march=x86-64", "-mtune=generic", "-mavx2", "-mfma", "-mf16c"]),
     IsaLevel("avx512", ["-march=x86-64", "-mtune=generic", "-mavx2", "-mfma", "-mavx512f", "-mavx512bw",
                         "-mavx512dq", "-mavx512vl"]),
     # AVX-512 with AVX512_BF16 and AMX-BF16 tiles (Sapphire Rapids and later): bfloat16 on AMX.

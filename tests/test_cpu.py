@@ -7,15 +7,19 @@ import subprocess
 import sys
 from types import SimpleNamespace
 
+import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fastattn
+from fastattn._cpu import isa
 from fastattn.backends import cpu as cpu_backend
 
 from .conformance import _oracle
+from .conformance._cases import Case
+from .conformance.test_forward import check_forward
 
 pytestmark = pytest.mark.skipif(
     not fastattn.backends.available()["cpu"].available, reason="the cpu backend is unavailable"
@@ -139,6 +143,39 @@ def test_plan_splits_keys_only_when_threads_would_idle() -> None:
     assert cpu_backend.plan(problem(1, 1, 1, 4096), 8)[1] == 16
     assert cpu_backend.plan(problem(1, 1, 1, 10), 8)[1] == 1
     assert cpu_backend.plan(problem(1, 2, 512, 512), 2) == (cpu_backend.TILE_ROWS // 4, 1)
+
+
+AMX_TILE_CASES = {
+    "plain": {},
+    "causal-gqa-bool-mask": {"causal": "bottom_right", "mask_kind": "bool", "mask_shape": (2, 1, 1, 600)},
+    "window-float-mask-softcap": {"window": (150, 20), "mask_kind": "float", "mask_shape": (300, 600), "softcap": 8.0},
+    "key-lengths-value-dim-48": {"key_lengths": (600, 77), "head_dim_v": 48, "causal": True},
+}
+
+
+@pytest.mark.parametrize("options", list(AMX_TILE_CASES.values()), ids=list(AMX_TILE_CASES))
+def test_bfloat16_large_tiles_match_oracle(options) -> None:
+    """bfloat16 with enough work items for the AMX kernel's large tiles (AMX_TILE_ROWS query rows,
+    AMX_KEY_TILE keys, 600 keys ending on a partial tile) on the amx level; the vector kernels elsewhere."""
+    fields = {
+        "batch": 2, "heads_kv": 2, "group": 2, "seq_q": 300, "seq_k": 600, "head_dim": 64, "head_dim_v": 64,
+        "dtype": "bfloat16", "layout": "bhsd", "causal": False, "window": None, "mask_kind": None,
+        "mask_shape": None, "key_lengths": None, "softcap": None, "scale": None, "strided": "contiguous",
+        "seed": int(np.random.default_rng().integers(2**32)),
+    }
+    case = Case(**{**fields, **options})
+    if isa.active() == "amx":  # 20 items of 64 positions: four for each of up to 5 threads
+        q = np.zeros((case.batch, case.heads_q, case.seq_q, case.head_dim), ml_dtypes.bfloat16)
+        k = np.zeros((case.batch, case.heads_kv, case.seq_k, case.head_dim), ml_dtypes.bfloat16)
+        v = np.zeros((case.batch, case.heads_kv, case.seq_k, case.head_dim_v), ml_dtypes.bfloat16)
+        problem = fastattn.explain(q, k, v).problem
+        assert cpu_backend.tile_sizes(problem, 2) == (cpu_backend.AMX_TILE_ROWS, cpu_backend.AMX_KEY_TILE)
+    before = fastattn.get_num_threads()
+    fastattn.set_num_threads(2)
+    try:
+        check_forward("cpu", "cpu", case)
+    finally:
+        fastattn.set_num_threads(before)
 
 
 BACKWARD_CHUNK_CASES = {

@@ -320,8 +320,8 @@ template <typename T, typename In> struct KvTile {
         } else {
             const int64_t D = p.head_dim, Dv = p.head_dim_v;
             for (int64_t j = 0; j < n; ++j) {
-                for (int64_t d = 0; d < D; ++d) k_converted[j * D + d] = load_as<T>(k_first[j * p.k_stride[2] + d]);
-                for (int64_t d = 0; d < Dv; ++d) v_converted[j * Dv + d] = load_as<T>(v_first[j * p.v_stride[2] + d]);
+                convert_row(k_first + j * p.k_stride[2], k_converted + j * D, D);
+                convert_row(v_first + j * p.v_stride[2], v_converted + j * Dv, Dv);
             }
             k = k_converted;
             v = v_converted;
@@ -411,17 +411,19 @@ static inline void online_softmax(T* s, int64_t n, int64_t mp, T* row_max, T* ro
         const V new_max = vmax(running, vmax(max0, max1) * score_scale);
         const V shift = vselect(new_max == neg_inf, V{}, new_max) * log2e;
         const V alpha = vexp2_softmax(running * log2e - shift);
-        V total = V{};
+        V total0 = V{}, total1 = V{}; /* two chains: the adds would wait on each other */
         for (j = 0; j < n; j += 2) {
             const V p0 = vexp2_softmax(vload<V>(s + j * mp + r) * score_log2e - shift);
             const V p1 = j + 1 < n ? vexp2_softmax(vload<V>(s + (j + 1) * mp + r) * score_log2e - shift) : V{};
             keep(j, r, p0, p1);
-            total += p0;
-            total += p1;
+            total0 += p0;
+            total1 += p1;
         }
-        vstore(row_sum + r, vload<V>(row_sum + r) * alpha + total);
+        vstore(row_sum + r, vload<V>(row_sum + r) * alpha + (total0 + total1));
         vstore(row_max + r, new_max);
-        for (int64_t c = 0; c < Dv; ++c) vstore(o + c * mp + r, vload<V>(o + c * mp + r) * alpha);
+        /* Once the rows' maxima settle, alpha is 1 in every lane and O stays as it is. */
+        if (!vequal_all(alpha, vbroadcast(T(1))))
+            for (int64_t c = 0; c < Dv; ++c) vstore(o + c * mp + r, vload<V>(o + c * mp + r) * alpha);
     }
 }
 

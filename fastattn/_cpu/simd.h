@@ -15,12 +15,16 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <utility>
 
 #include "isa.h"
 
-#if defined(__AVX512F__)
+#if defined(__AVX__)
 #include <immintrin.h>
+#endif
+
+#if defined(__AVX512F__)
 #define FASTATTN_VECTOR_BYTES 64
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define FASTATTN_HAS_AMX 1 /* the AMX level: flash_amx.h's bfloat16 forward */
@@ -130,6 +134,31 @@ template <typename V, typename M> static inline V vselect(M mask, V a, V b) {
 /* a > b ? a : b per lane (b where either is NaN): GCC and Clang make it x86's maxps, one
  * instruction on the critical path of a running maximum. */
 template <typename V> static inline V vmax(V a, V b) { return a > b ? a : b; }
+
+/* Whether every lane of a equals b's (false where either is NaN): one compare and a mask test. */
+static inline bool vequal_all(Vec<float>::type a, Vec<float>::type b) {
+#if FASTATTN_VECTOR_BYTES == 64
+    return _mm512_cmp_ps_mask((__m512)a, (__m512)b, _CMP_NEQ_UQ) == 0;
+#elif defined(__AVX__)
+    return _mm256_movemask_ps(_mm256_cmp_ps((__m256)a, (__m256)b, _CMP_NEQ_UQ)) == 0;
+#else
+    bool equal = true;
+    for (int lane = 0; lane < Vec<float>::lanes; ++lane) equal = equal && a[lane] == b[lane];
+    return equal;
+#endif
+}
+
+static inline bool vequal_all(Vec<double>::type a, Vec<double>::type b) {
+#if FASTATTN_VECTOR_BYTES == 64
+    return _mm512_cmp_pd_mask((__m512d)a, (__m512d)b, _CMP_NEQ_UQ) == 0;
+#elif defined(__AVX__)
+    return _mm256_movemask_pd(_mm256_cmp_pd((__m256d)a, (__m256d)b, _CMP_NEQ_UQ)) == 0;
+#else
+    bool equal = true;
+    for (int lane = 0; lane < Vec<double>::lanes; ++lane) equal = equal && a[lane] == b[lane];
+    return equal;
+#endif
+}
 
 /* exp for float lanes: Cephes expf (range reduction by n = round(x log2 e), degree-6 polynomial,
  * 2^n built in the exponent bits); inputs below ln(FLT_MIN) give exactly 0, -inf included.  The
@@ -282,6 +311,23 @@ template <> struct Store<bfloat16_bits> { static inline bfloat16_bits from(float
 
 template <typename T, typename In> static inline T load_as(In x) { return (T)to_float(x); }
 template <> inline double load_as<double, double>(double x) { return x; }
+
+/* `count` elements of src into dst in the compute type T.  float16 rows convert 16 (AVX-512) or 8
+ * (F16C) at a time, exactly (every float16 is a float); bfloat16's shift into the high half the
+ * compiler vectorises; the rest, and other targets, one element at a time. */
+template <typename T, typename In> static inline void convert_row(const In* src, T* dst, int64_t count) {
+    int64_t i = 0;
+    if constexpr (std::is_same<T, float>::value && std::is_same<In, half_bits>::value) {
+#if defined(__AVX512F__)
+        for (; i + 16 <= count; i += 16)
+            _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))));
+#elif defined(__F16C__)
+        for (; i + 8 <= count; i += 8)
+            _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+#endif
+    }
+    for (; i < count; ++i) dst[i] = load_as<T>(src[i]);
+}
 
 }  // namespace FASTATTN_ISA_NAMESPACE
 }  // namespace fastattn
