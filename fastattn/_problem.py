@@ -60,6 +60,10 @@ class AttentionProblem:
         whose order varies).  Backends that are always deterministic ignore it.
     dropout_p : float
         Attention-dropout probability, 0 for none (the seed and offset are in the extras).
+    key_offset : int
+        Where the queries sit among the keys, for causal and window: query i sits at key position
+        ``i + key_offset`` (``Sk - Sq`` under bottom-right alignment, else 0, for a whole call; any
+        integer for one block of a sequence split across ranks, ``fastattn.distributed``).
     """
 
     direction: Direction
@@ -87,6 +91,7 @@ class AttentionProblem:
     v_strides: tuple[int, int, int, int]
     deterministic: bool = False
     dropout_p: float = 0.0
+    key_offset: int = 0
 
     def __hash__(self) -> int:
         # Problems key the caches of the registry and the backends, and a repeated call reuses the
@@ -108,11 +113,6 @@ class AttentionProblem:
 
         Read on every call, so kept once computed (the problem is immutable)."""
         return self.batch == 0 or self.seq_q == 0 or self.seq_k == 0
-
-    @property
-    def key_offset(self) -> int:
-        """``Sk - Sq`` under bottom-right alignment, else 0: query i sits at key position i + offset."""
-        return self.seq_k - self.seq_q if self.causal == "bottom_right" else 0
 
     def describe(self) -> str:
         """Return a one-line summary, e.g. for ``explain``."""

@@ -153,12 +153,51 @@ def _window(window: Any) -> tuple[int, int] | None:
     return left, right
 
 
-def _unbounded_sides(window: tuple[int, int] | None, seq_q: int, seq_k: int) -> tuple[int, int] | None:
-    """A side of at least Sq + Sk hides nothing and becomes -1 (unbounded)."""
+def aligned_offset(causal: Causal | None, seq_q: int, seq_k: int) -> int:
+    """The key position of query 0 in a whole call: ``Sk - Sq`` under bottom-right alignment, else 0."""
+    return seq_k - seq_q if causal == "bottom_right" else 0
+
+
+def _unbounded_sides(
+    window: tuple[int, int] | None, seq_q: int, seq_k: int, key_offset: int = 0
+) -> tuple[int, int] | None:
+    """A side of at least ``Sq + Sk + |key_offset|`` hides nothing and becomes -1 (unbounded)."""
     if window is None:
         return None
-    left, right = (-1 if side >= seq_q + seq_k else side for side in window)
+    reach = seq_q + seq_k + abs(key_offset)
+    left, right = (-1 if side >= reach else side for side in window)
     return left, right
+
+
+@functools.lru_cache(maxsize=CACHE_SIZE)
+def with_key_offset(
+    problem: AttentionProblem, key_offset: int, window: tuple[int, int] | None
+) -> AttentionProblem:
+    """``problem`` for one block of a longer sequence: query i at key position ``i + key_offset``.
+
+    Parameters
+    ----------
+    problem : AttentionProblem
+        A validated problem whose ``causal`` is None or ``"top_left"`` (its window normalised
+        without the offset, hence ``window`` again).
+    key_offset : int
+        Key position of the block's query 0 (the queries' global start, minus the keys' global
+        start, plus the whole call's bottom-right offset).
+    window : (int, int) or None
+        The caller's window, checked by :func:`prepare`.
+
+    Returns
+    -------
+    AttentionProblem
+        One object per distinct problem, as :func:`prepare` hands out (the plan caches downstream
+        are keyed by identity).
+    """
+    shifted = replace(
+        problem,
+        key_offset=key_offset,
+        window=_unbounded_sides(window, problem.seq_q, problem.seq_k, key_offset),
+    )
+    return _problems.setdefault(shifted, shifted)
 
 
 def _layout(layout: Any) -> Layout:
@@ -403,6 +442,7 @@ def _validate(
         v_strides=strides["v"],
         deterministic=deterministic,
         dropout_p=dropout_p,
+        key_offset=aligned_offset(causal, seq_q, seq_k),
     )
     if len(_problems) >= CACHE_SIZE:
         _problems.pop(next(iter(_problems)), None)

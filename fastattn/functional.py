@@ -238,18 +238,24 @@ def attention_backward_with(
     return finish_backward(_validation.prepare("backward", arrays, options, deterministic=deterministic))
 
 
-def finish_backward(call: PreparedCall) -> tuple[Any, Any, Any]:
-    """Run a prepared backward call and hand ``(dq, dk, dv)`` back in the caller's framework."""
+def run_backward(call: PreparedCall) -> tuple[Any, Any, Any]:
+    """Run a prepared backward call on its backend; return native ``(dq, dk, dv)`` in
+    ``(B, H, S, D)`` order (views of memory laid out in the call's layout)."""
     problem = call.problem
     chosen = registry.select(problem, call.options.backend)
     a = call.arrays
     if problem.is_empty:
-        grads = tuple(
+        return tuple(
             _zeros_bhsd(_arrays.namespace(a[name]), tuple(a[name].shape), a[name].dtype, problem.layout)
             for name in ("q", "k", "v")
         )
-    else:
-        grads = chosen.backward(problem, a["dout"], a["q"], a["k"], a["v"], a["out"], a["lse"], call.extras)
+    return chosen.backward(problem, a["dout"], a["q"], a["k"], a["v"], a["out"], a["lse"], call.extras)
+
+
+def finish_backward(call: PreparedCall) -> tuple[Any, Any, Any]:
+    """Run a prepared backward call and hand ``(dq, dk, dv)`` back in the caller's framework."""
+    problem = call.problem
+    grads = run_backward(call)
     return tuple(
         _arrays.from_native(_arrays.swap_layout(grad, problem.layout), call.origin) for grad in grads
     )

@@ -33,7 +33,11 @@ def problem(**changes) -> AttentionProblem:
         q_strides=(4096, 128, 128, 1), k_strides=(4096 * 1024, 4096 * 128, 128, 1),
         v_strides=(4096 * 1024, 4096 * 128, 128, 1),
     )  # fmt: skip
-    return dataclasses.replace(base, **changes)
+    changed = dataclasses.replace(base, **changes)
+    if "key_offset" in changes:
+        return changed
+    bottom_right = changed.causal == "bottom_right"
+    return dataclasses.replace(changed, key_offset=changed.seq_k - changed.seq_q if bottom_right else 0)
 
 
 def _runs_decode(case: AttentionProblem) -> bool:
