@@ -25,13 +25,13 @@ from typing import Any
 import torch
 from torch.autograd.function import once_differentiable
 
-from . import _arrays, _validation, functional
+from . import _arrays, _validation, distributed, functional
 from ._options import AttentionOptions
 from ._validation import PreparedCall
 from .backends import registry
 from .backends.registry import UnsupportedError
 
-__all__ = ["attention", "scaled_dot_product_attention"]
+__all__ = ["attention", "ring_attention", "scaled_dot_product_attention", "ulysses_attention"]
 
 
 class _AttentionFunction(torch.autograd.Function):
@@ -237,3 +237,112 @@ def scaled_dot_product_attention(
     else:
         out = functional.finish_forward(arguments.call)
     return out[:, 0] if arguments.unbatched_heads else out
+
+
+class _ShardedFunction(torch.autograd.Function):
+    """``(out, lse)`` of a sharded strategy (ring or Ulysses) with its collective backward."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, strategy: str, options: dict[str, Any]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        forward, _ = _STRATEGIES[strategy]
+        out, lse = forward(q.detach(), k.detach(), v.detach(), return_lse=True, **options)
+        ctx.mark_non_differentiable(lse)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.strategy, ctx.options = strategy, options
+        return out, lse
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, dout: torch.Tensor, dlse: Any) -> tuple[Any, ...]:
+        # Collective: every rank runs it, a rank whose loss ignored out with a zero dout.
+        q, k, v, out, lse = ctx.saved_tensors
+        _, backward = _STRATEGIES[ctx.strategy]
+        dq, dk, dv = backward(dout, q, k, v, out, lse, **ctx.options)
+        wanted = ctx.needs_input_grad
+        return (dq if wanted[0] else None, dk if wanted[1] else None, dv if wanted[2] else None, None, None)
+
+
+_STRATEGIES = {
+    "ring": (distributed.ring_attention, distributed.ring_attention_backward),
+    "ulysses": (distributed.ulysses_attention, distributed.ulysses_attention_backward),
+}
+
+
+def _sharded(strategy: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, return_lse: bool, **options: Any) -> Any:
+    if _needs_grad(q, k, v):
+        out, lse = _ShardedFunction.apply(q, k, v, strategy, options)
+    else:
+        out, lse = _STRATEGIES[strategy][0](q, k, v, return_lse=True, **options)
+    return (out, lse) if return_lse else out
+
+
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    comm: Any,
+    causal: bool | str = False,
+    scale: float | None = None,
+    window: tuple[int, int] | None = None,
+    softcap: float | None = None,
+    key_lengths: Any = None,
+    sharding: str = "zigzag",
+    layout: str = "bhsd",
+    return_lse: bool = False,
+    backend: str | None = None,
+) -> Any:
+    """:func:`fastattn.distributed.ring_attention` on torch tensors, differentiable with respect to
+    this rank's q, k and v shards.
+
+    The backward is collective like the forward: every rank of ``comm`` must run
+    ``loss.backward()`` (a rank whose loss does not use the output sends zero gradients).
+
+    Parameters
+    ----------
+    q, k, v : torch.Tensor
+        This rank's shards (see :func:`fastattn.distributed.ring_attention`).
+    comm, causal, scale, window, softcap, key_lengths, sharding, layout, backend
+        As for :func:`fastattn.distributed.ring_attention`; ``comm`` is usually a
+        :class:`fastattn.distributed.TorchCommunicator`.
+    return_lse : bool
+        Also return this rank's rows of the log-sum-exp (detached).
+
+    Returns
+    -------
+    out : torch.Tensor, (B, Hq, Sq_r, Dv)
+    lse : torch.Tensor, (B, Hq, Sq_r)
+        Only with ``return_lse=True``.
+    """
+    options = dict(
+        comm=comm, causal=causal, scale=scale, window=window, softcap=softcap, key_lengths=key_lengths,
+        sharding=sharding, layout=layout, backend=backend,
+    )  # fmt: skip
+    return _sharded("ring", q, k, v, return_lse, **options)
+
+
+def ulysses_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    comm: Any,
+    causal: bool | str = False,
+    scale: float | None = None,
+    window: tuple[int, int] | None = None,
+    softcap: float | None = None,
+    key_lengths: Any = None,
+    sharding: str = "zigzag",
+    layout: str = "bhsd",
+    return_lse: bool = False,
+    backend: str | None = None,
+) -> Any:
+    """:func:`fastattn.distributed.ulysses_attention` on torch tensors, with autograd (parameters
+    and returns as :func:`ring_attention`)."""
+    options = dict(
+        comm=comm, causal=causal, scale=scale, window=window, softcap=softcap, key_lengths=key_lengths,
+        sharding=sharding, layout=layout, backend=backend,
+    )  # fmt: skip
+    return _sharded("ulysses", q, k, v, return_lse, **options)

@@ -14,7 +14,7 @@ Communication runs on existing engines: mpi4py (:class:`MPICommunicator`), torch
 from ._comm import Communicator, Request
 from ._mpi import MPICommunicator
 from ._ring import ring_attention, ring_attention_backward
-from ._sharding import Chunk, sequence_chunks, shard_sequence, unshard_sequence
+from ._sharding import Chunk, sequence_chunks, shard_positions, shard_sequence, unshard_sequence
 from ._simulated import SimulatedCommunicator, simulate
 from ._torch import TorchCommunicator
 from ._ulysses import ulysses_attention, ulysses_attention_backward
@@ -29,6 +29,7 @@ __all__ = [
     "ring_attention",
     "ring_attention_backward",
     "sequence_chunks",
+    "shard_positions",
     "shard_sequence",
     "simulate",
     "ulysses_attention",

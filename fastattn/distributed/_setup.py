@@ -82,7 +82,7 @@ def decline(name: str, mask: Any, dropout_p: Any) -> None:
     if dropout_p != 0:
         reasons.append("dropout: the mask's counters are per call, not per block of a sharded call")
     if reasons:
-        raise UnsupportedError(f"{name} cannot run " + "; ".join(reasons))
+        raise UnsupportedError(f"{name}: a sequence split across ranks cannot run these options", reasons)
 
 
 def _local_row(call: Any) -> np.ndarray:

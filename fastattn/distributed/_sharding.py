@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from typing import Any, Literal, NamedTuple
 
 import array_api_compat
+import numpy as np
 
 Sharding = Literal["contiguous", "zigzag"]
 SHARDINGS: tuple[str, ...] = ("contiguous", "zigzag")
@@ -161,3 +162,38 @@ def unshard_sequence(shards: Sequence[Any], *, sharding: Sharding = "zigzag", ax
     if not pieces:
         return xp.asarray(_take(shards[0], axis, 0, 0), copy=True)
     return xp.concat([piece for _, piece in pieces], axis=axis)
+
+
+def shard_positions(comm: Any, length: int, sharding: Sharding = "zigzag") -> np.ndarray:
+    """Global positions of this rank's ``length`` positions (collective: all-reduces the lengths).
+
+    Parameters
+    ----------
+    comm : Communicator
+    length : int
+        How many positions this rank holds.
+    sharding : {"zigzag", "contiguous"}
+
+    Returns
+    -------
+    int64 numpy array (length,)
+        E.g. the positions RoPE rotates this rank's queries and keys by.
+
+    Raises
+    ------
+    ValueError
+        On every rank, when the ranks' lengths do not follow ``sharding``.
+    """
+    table = np.zeros(comm.size, dtype=np.int64)
+    table[comm.rank] = length
+    lengths = comm.allreduce(table)
+    chunks = sequence_chunks(int(lengths.sum()), comm.size, sharding)
+    expected = [sum(chunk.size for chunk in rank) for rank in chunks]
+    if lengths.tolist() != expected:
+        raise ValueError(
+            f"shard_positions: expected shards of {expected} positions on ranks 0..{comm.size - 1} "
+            f"({sharding} sharding of {int(lengths.sum())}), received {lengths.tolist()}"
+        )
+    if not chunks[comm.rank]:
+        return np.zeros(0, dtype=np.int64)
+    return np.concatenate([np.arange(chunk.start, chunk.stop, dtype=np.int64) for chunk in chunks[comm.rank]])

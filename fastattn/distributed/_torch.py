@@ -6,6 +6,7 @@ CuPy) and travel as bytes, so every dtype does, bfloat16 included.
 
 from __future__ import annotations
 
+import datetime
 from typing import Any
 
 import numpy as np
@@ -18,11 +19,18 @@ class _TorchRequest(Request):
         self._work, self._keep = work, keep
 
     def test(self) -> bool:
-        done = bool(self._work.is_completed())
-        if done:
-            self._work.wait()  # raises the error of a failed transfer
-            self._keep = None
-        return done
+        return bool(self._work.is_completed())
+
+    def wait(self, timeout: float, what: str) -> None:
+        # Work.wait with a deadline, rather than polling is_completed: gloo's point-to-point work
+        # completes only inside wait.
+        try:
+            self._work.wait(datetime.timedelta(seconds=timeout))
+        except RuntimeError as error:
+            if "timed out" in str(error).lower() or "timeout" in str(error).lower():
+                raise TimeoutError(f"{what}: no completion within {timeout:g} s ({error})") from error
+            raise
+        self._keep = None
 
 
 def _tensor(array: Any) -> Any:

@@ -17,9 +17,12 @@ from typing import Any
 
 import numpy as np
 
-from .. import _arrays, _validation, backends, functional
+from .. import _arrays, _validation, backends, distributed, functional
 from .._options import AttentionOptions
 from .._validation import PreparedCall
+from ..backends.registry import UnsupportedError
+from ..distributed._setup import check_communicator
+from ..distributed._sharding import check_sharding
 from . import _checks
 from ._device import array_module, native_input, to_device
 from ._heads import HeadLayout
@@ -66,15 +69,30 @@ class _Saved:
     """What the backward needs from the last training forward.
 
     ``call`` is the attention's validated call, ``out`` and ``lse`` its native results (out in
-    ``(B, H, L, D)`` order): the backward's attention call checks only its new gradient.
+    ``(B, H, L, D)`` order): the backward's attention call checks only its new gradient.  Under
+    sequence parallelism ``call`` is None and ``sharded`` holds the ring call's q, k, v (``bshd``),
+    its options and the shards' global positions.
     """
 
     form: _Format
     output_shape: tuple[int, ...]
     sources: tuple[_Source, ...]
-    call: PreparedCall
+    call: PreparedCall | None
     out: Any
     lse: Any
+    sharded: _ShardedCall | None = None
+
+
+@dataclass(frozen=True)
+class _ShardedCall:
+    """The ring attention call of a sequence-parallel forward, as its backward repeats it."""
+
+    q: Any
+    k: Any
+    v: Any
+    options: dict[str, Any]
+    positions_q: np.ndarray
+    positions_k: np.ndarray
 
 
 def _runs(projections: tuple[str, ...]) -> list[tuple[str, ...]]:
@@ -132,10 +150,21 @@ class MultiheadAttention(HeadLayout):
         (:meth:`train`; never in :meth:`eval` and never on the KV-cache path), like
         torch.nn.MultiheadAttention's ``dropout``.  Each training forward draws a fresh mask seed
         from the layer's generator (seeded by ``seed``) and its backward regenerates that mask.
+    sequence_parallel : fastattn.distributed.Communicator, optional
+        Sequence parallelism: every rank of this communicator holds its layer (same weights) and
+        its shard of the sequences (the positions ``fastattn.distributed.sequence_chunks`` gives
+        it under ``sharding``); :meth:`forward` and :meth:`backward` are then collective and run
+        ring attention (:func:`fastattn.distributed.ring_attention`), RoPE rotating each token by
+        its global position.  Parameter gradients are each rank's share: sum them over the ranks
+        (as data parallelism does).  Masks, ``need_weights``, dropout and a KV cache are declined
+        (:class:`fastattn.UnsupportedError`).
+    sharding : {"zigzag", "contiguous"}
+        How the sequences are split under ``sequence_parallel``.
 
     Attributes
     ----------
     embed_dim, num_heads, num_kv_heads, bias, batch_first, causal, dtype, device, backend, dropout
+    sequence_parallel, sharding
         As given (``dtype`` as a numpy dtype).
     window : (int, int) or None
         The window as ``(left, right)``.
@@ -168,6 +197,8 @@ class MultiheadAttention(HeadLayout):
         seed: int | np.random.Generator | None = None,
         backend: str | None = None,
         dropout: float = 0.0,
+        sequence_parallel: Any = None,
+        sharding: str = "zigzag",
     ) -> None:
         self.embed_dim, self.num_heads, self.num_kv_heads = _checks.head_counts(
             embed_dim, num_heads, num_kv_heads
@@ -185,6 +216,10 @@ class MultiheadAttention(HeadLayout):
         if isinstance(dropout, bool) or not isinstance(dropout, (int, float, np.floating)) or not 0 <= dropout <= 1:
             raise ValueError(f"dropout: expected a float in [0, 1], received {dropout!r}")
         self.dropout = float(dropout)
+        self.sequence_parallel = (
+            None if sequence_parallel is None else check_communicator(sequence_parallel)
+        )
+        self.sharding = check_sharding(sharding)
         self.training = True
         self.grads: dict[str, Any] = {}
         self._saved: _Saved | None = None
@@ -270,6 +305,8 @@ class MultiheadAttention(HeadLayout):
             extras.append(f"window={self.window}")
         if self.rope is not None:
             extras.append(f"rope={self.rope!r}")
+        if self.sequence_parallel is not None:
+            extras.append(f"sequence_parallel={self.sequence_parallel.size} ranks, sharding={self.sharding!r}")
         return (
             f"MultiheadAttention(embed_dim={self.embed_dim}, num_heads={self.num_heads}, "
             f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, {', '.join(extras)}, "
@@ -451,6 +488,8 @@ class MultiheadAttention(HeadLayout):
         if form.unbatched and key_padding_mask is not None and getattr(key_padding_mask, "ndim", 0) == 1:
             key_padding_mask = key_padding_mask[None]
         self._saved = None
+        if self.sequence_parallel is not None:
+            return self._sharded_forward(form, sources, attn_mask, key_padding_mask, causal, need_weights, cache)
         if cache is None:
             return self._full_forward(form, sources, attn_mask, key_padding_mask, causal, need_weights)
         if not isinstance(cache, KVCache):
@@ -593,6 +632,52 @@ class MultiheadAttention(HeadLayout):
             self._saved = _Saved(form, caller_shape, tuple(sources), call, out_bhsd, lse)
         if need_weights:
             return output, self._weights(form, origin, q, k, options)
+        return output
+
+    def _sharded_forward(
+        self,
+        form: _Format,
+        sources: list[_Source],
+        attn_mask: Any,
+        key_padding_mask: Any,
+        causal: bool,
+        need_weights: bool,
+        cache: Any,
+    ) -> Any:
+        """Ring attention over this rank's shard of the sequences (``sequence_parallel``)."""
+        declined = [
+            f"{name}: not under sequence_parallel"
+            for name, given in (
+                ("attn_mask", attn_mask is not None),
+                ("key_padding_mask", key_padding_mask is not None),
+                ("need_weights", need_weights),
+                ("cache", cache is not None),
+                ("dropout", self.training and self.dropout > 0),
+            )
+            if given
+        ]
+        if declined:
+            raise UnsupportedError("MultiheadAttention.forward: options the sequence-parallel layer declines", declined)
+        comm = self.sequence_parallel
+        assert comm is not None
+        seq_q = sources[0].native.shape[1]
+        seq_k = next(source.native.shape[1] for source in sources if "k" in source.projections)
+        positions_q = distributed.shard_positions(comm, seq_q, self.sharding)
+        positions_k = positions_q if len(sources) == 1 else distributed.shard_positions(comm, seq_k, self.sharding)
+        projected = self._project(sources)
+        q = self._rotate(projected["q"], positions_q)
+        k = self._rotate(projected["k"], positions_k)
+        options: dict[str, Any] = dict(
+            comm=comm, causal="top_left" if causal else False, window=self.window, sharding=self.sharding,
+            layout="bshd", backend=self.backend,
+        )  # fmt: skip
+        out_bshd, lse = distributed.ring_attention(q, k, projected["v"], return_lse=True, **options)
+        origin = sources[0].origin
+        output = self._output(form, origin, out_bshd)
+        if self.training:
+            caller_shape = tuple(form.from_batch_first(sources[0].native).shape)
+            sharded = _ShardedCall(q, k, projected["v"], options, positions_q, positions_k)
+            self._saved = _Saved(form, caller_shape, tuple(sources), None, out_bshd.swapaxes(1, 2), lse, sharded)
         return output
 
     def _weights(
@@ -753,12 +838,22 @@ class MultiheadAttention(HeadLayout):
         d_out_weight = d_output.T @ attended
         d_out_bias = d_output.sum(axis=0) if self.bias else None
         d_attended = (d_output @ self._out_weight.astype(compute, copy=False)).astype(self.dtype)
-        dq, dk, dv = functional.finish_backward(
-            _validation.prepare_gradient(saved.call, saved.out, saved.lse, d_attended.reshape(attended_shape))
-        )
+        if saved.sharded is None:
+            assert saved.call is not None
+            dq, dk, dv = functional.finish_backward(
+                _validation.prepare_gradient(saved.call, saved.out, saved.lse, d_attended.reshape(attended_shape))
+            )
+            positions_q, positions_k = np.arange(dq.shape[1]), np.arange(dk.shape[1])
+        else:
+            sharded = saved.sharded
+            dq, dk, dv = distributed.ring_attention_backward(
+                d_attended.reshape(attended_shape), sharded.q, sharded.k, sharded.v, attended_bshd, saved.lse,
+                **sharded.options,
+            )  # fmt: skip
+            positions_q, positions_k = sharded.positions_q, sharded.positions_k
         d_projected = {
-            "q": self._rotate(dq, np.arange(dq.shape[1]), inverse=True),
-            "k": self._rotate(dk, np.arange(dk.shape[1]), inverse=True),
+            "q": self._rotate(dq, positions_q, inverse=True),
+            "k": self._rotate(dk, positions_k, inverse=True),
             "v": dv,
         }
         d_in_weight = xp.empty(self._in_weight.shape, dtype=compute)
