@@ -24,7 +24,8 @@ def merge_into(xp: Any, out: Any, lse: Any, part_out: Any, part_lse: Any) -> Non
     lse : array (B, H, S)
         Accumulated log-sum-exp, same dtype; updated.
     part_out : array (B, H, S, Dv)
-        The partial output (any float dtype).
+        The partial output (any float dtype); overwritten when it has ``out``'s dtype (it is
+        scaled in place, sparing a temporary of its size).
     part_lse : array (B, H, S)
         Its log-sum-exp.
     """
@@ -34,6 +35,8 @@ def merge_into(xp: Any, out: Any, lse: Any, part_out: Any, part_lse: Any) -> Non
     total = weight + part_weight
     seen = total > 0
     safe_total = xp.where(seen, total, 1)
+    scaled = part_out.astype(out.dtype, copy=False)
+    scaled *= (part_weight / safe_total)[..., None]
     out *= (weight / safe_total)[..., None]
-    out += part_out.astype(out.dtype, copy=False) * (part_weight / safe_total)[..., None]
+    out += scaled
     lse[...] = xp.where(seen, peak + xp.log(safe_total), -xp.inf)

@@ -59,10 +59,6 @@ def _flat_size(shapes: list[tuple[int, ...]]) -> int:
     return sum(int(np.prod(shape)) for shape in shapes)
 
 
-def _rows(array: Any, start: int, stop: int) -> Any:
-    return array[:, :, start:stop]
-
-
 class _Ring:
     """The neighbour exchange of one call: a message per step, each awaited with the deadline."""
 
@@ -87,6 +83,50 @@ class _Ring:
         self.pending.clear()
 
 
+def _forward_blocks(plan: ShardedCall, owner: int, q: Any, keys: Any, values: Any, out: Any, lse: Any) -> None:
+    """Fold this rank's blocks against rank ``owner``'s keys into ``out`` and ``lse``."""
+    xp = _arrays.namespace(q)
+    for queries in plan.query_chunks[plan.comm.rank]:
+        rows = slice(queries.local, queries.local + queries.size)
+        for key_chunk in plan.key_chunks[owner]:
+            rule = block_rule(queries, key_chunk, plan.aligned_offset, plan.causal, plan.window, plan.key_lengths)
+            if rule is None:
+                continue
+            columns = slice(key_chunk.local, key_chunk.local + key_chunk.size)
+            block_out, block_lse = block_forward(
+                q[:, :, rows], keys[:, :, columns], values[:, :, columns], rule, plan.block_options
+            )
+            merge_into(xp, out[:, :, rows], lse[:, :, rows], block_out, block_lse)
+            del block_out, block_lse  # before the next block's are allocated
+
+
+def _backward_blocks(plan: ShardedCall, owner: int, keys: Any, values: Any, dq: Any, part: Any) -> None:
+    """Add this rank's blocks' gradients against rank ``owner``'s keys to ``dq`` and ``part`` (dK, dV)."""
+    a = plan.call.arrays
+    part_k, part_v = _unpack(part, _kv_shapes(plan, owner))
+    for queries in plan.query_chunks[plan.comm.rank]:
+        rows = slice(queries.local, queries.local + queries.size)
+        for key_chunk in plan.key_chunks[owner]:
+            rule = block_rule(queries, key_chunk, plan.aligned_offset, plan.causal, plan.window, plan.key_lengths)
+            if rule is None:
+                continue
+            columns = slice(key_chunk.local, key_chunk.local + key_chunk.size)
+            block_dq, block_dk, block_dv = block_backward(
+                a["dout"][:, :, rows],
+                a["q"][:, :, rows],
+                keys[:, :, columns],
+                values[:, :, columns],
+                a["out"][:, :, rows],
+                a["lse"][:, :, rows],
+                rule,
+                plan.block_options,
+            )
+            dq[:, :, rows] += block_dq
+            part_k[:, :, columns] += block_dk
+            part_v[:, :, columns] += block_dv
+            del block_dq, block_dk, block_dv  # before the next block's are allocated
+
+
 def ring_forward(plan: ShardedCall) -> tuple[Any, Any]:
     """Native ``(out, lse)`` of this rank's queries: out ``(B, Hq, Sq_r, Dv)`` float32 (float64 for
     float64 inputs), lse ``(B, Hq, Sq_r)``."""
@@ -106,22 +146,8 @@ def ring_forward(plan: ShardedCall) -> tuple[Any, Any]:
             following = xp.empty(_flat_size(_kv_shapes(plan, (owner - 1) % comm.size)), dtype=k.dtype)
             incoming = ring.exchange(held, following, step, "K/V")
         keys, values = (k, v) if step == 0 else _unpack(held, _kv_shapes(plan, owner))
-        for queries in plan.query_chunks[comm.rank]:
-            for key_chunk in plan.key_chunks[owner]:
-                rule = block_rule(
-                    queries, key_chunk, plan.aligned_offset, plan.causal, plan.window, plan.key_lengths
-                )
-                if rule is None:
-                    continue
-                block_out, block_lse = block_forward(
-                    _rows(q, queries.local, queries.local + queries.size),
-                    _rows(keys, key_chunk.local, key_chunk.local + key_chunk.size),
-                    _rows(values, key_chunk.local, key_chunk.local + key_chunk.size),
-                    rule,
-                    plan.block_options,
-                )
-                rows = slice(queries.local, queries.local + queries.size)
-                merge_into(xp, out[:, :, rows], lse[:, :, rows], block_out, block_lse)
+        _forward_blocks(plan, owner, q, keys, values, out, lse)
+        del keys, values  # views of the held shard, which must go when the next one arrives
         if incoming is not None:
             ring.wait(incoming, "K/V")
             ring.finish()
@@ -157,29 +183,8 @@ def ring_backward(plan: ShardedCall) -> tuple[Any, Any, Any]:
             next_arriving = comm.irecv(next_buffer, comm.previous_rank(), comm.size + step)
         keys, values = (k, v) if step == 0 else _unpack(held, shapes)
         part = xp.zeros(_flat_size(shapes), dtype=accumulate)
-        part_k, part_v = _unpack(part, shapes)
-        for queries in plan.query_chunks[comm.rank]:
-            rows = slice(queries.local, queries.local + queries.size)
-            for key_chunk in plan.key_chunks[owner]:
-                rule = block_rule(
-                    queries, key_chunk, plan.aligned_offset, plan.causal, plan.window, plan.key_lengths
-                )
-                if rule is None:
-                    continue
-                columns = slice(key_chunk.local, key_chunk.local + key_chunk.size)
-                block_dq, block_dk, block_dv = block_backward(
-                    a["dout"][:, :, rows],
-                    q[:, :, rows],
-                    keys[:, :, columns],
-                    values[:, :, columns],
-                    a["out"][:, :, rows],
-                    a["lse"][:, :, rows],
-                    rule,
-                    plan.block_options,
-                )
-                dq[:, :, rows] += block_dq
-                part_k[:, :, columns] += block_dk
-                part_v[:, :, columns] += block_dv
+        _backward_blocks(plan, owner, keys, values, dq, part)
+        del keys, values  # views of the held shard, which must go when the next one arrives
         if arriving is not None:
             ring.wait(arriving, "dK/dV")
             part += arriving_buffer
@@ -200,11 +205,14 @@ def ring_backward(plan: ShardedCall) -> tuple[Any, Any, Any]:
 
 
 def _result(native: Any, dtype: Any, layout: str, origin: Any) -> Any:
-    """A float accumulator ``(B, H, S, D)`` handed back in the inputs' dtype, layout and framework."""
-    xp = _arrays.namespace(native)
-    result = _arrays.empty_bhsd(xp, native.shape, dtype, layout)
-    result[...] = native
-    return _arrays.from_native(_arrays.swap_layout(result, layout), origin)
+    """A float accumulator ``(B, H, S, D)`` handed back in the inputs' dtype, layout and framework
+    (the accumulator itself where it already is both)."""
+    if native.dtype != dtype or layout != "bhsd":
+        xp = _arrays.namespace(native)
+        result = _arrays.empty_bhsd(xp, native.shape, dtype, layout)
+        result[...] = native
+        native = _arrays.swap_layout(result, layout)
+    return _arrays.from_native(native, origin)
 
 
 def ring_attention(

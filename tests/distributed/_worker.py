@@ -78,7 +78,8 @@ def main(engine: str, seed: int, fail: bool) -> None:
             grads = (result.detach(), *(tensor.grad for tensor in tensors[:3]))
             for name, got, want in zip(("out", "dq", "dk", "dv"), grads, [mine[0], *mine[2:]]):
                 _check(f"torch autograd {options} {name}", got, want)
-    print(f"rank {comm.rank} of {comm.size} ({engine}): ok", flush=True)
+    sys.stdout.write(f"rank {comm.rank} of {comm.size} ({engine}): ok\n")  # one write: no interleaving
+    sys.stdout.flush()
     if engine == "torch":
         import torch.distributed as dist
 

@@ -57,7 +57,7 @@ def test_merge_ignores_a_partial_that_saw_no_key() -> None:
     part_lse = np.array([[[-np.inf, 1.5, -np.inf]]])
     merged_out, merged_lse = out.copy(), lse.copy()
     with np.errstate(all="raise"):
-        merge_into(np, merged_out, merged_lse, part_out, part_lse)
+        merge_into(np, merged_out, merged_lse, part_out.copy(), part_lse)
     assert np.array_equal(merged_out[0, 0, 0], out[0, 0, 0])
     assert np.array_equal(merged_out[0, 0, 1], part_out[0, 0, 1])
     assert np.array_equal(merged_out[0, 0, 2], np.zeros(4))

@@ -7,6 +7,7 @@ Each run checks ring and Ulysses attention, forward and backward, against one pr
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import shutil
 import socket
@@ -96,3 +97,16 @@ def test_torch_gloo_a_failing_rank_fails_the_run_with_its_error() -> None:
     results = _run_torch("1", "fail")
     assert results[1].returncode != 0 and "rank 1 fails on purpose" in results[1].stderr
     assert results[0].returncode != 0, results[0].stdout
+
+
+def test_example_runs_under_mpiexec() -> None:
+    example = str(Path(__file__).parents[2] / "examples" / "ring_attention.py")
+    command = [_mpiexec(), "-n", "2", sys.executable, "-m", "mpi4py", example, "--seq", "600", "--check"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=LIMIT, env=_environment())
+    assert result.returncode == 0, result.stdout + result.stderr
+    number = r"([0-9.e+-]+)"
+    pattern = rf"rank (\d): largest difference [^:]*: {number}, {number}, {number}, {number}"
+    differences = re.findall(pattern, result.stdout)
+    assert sorted(found[0] for found in differences) == ["0", "1"], result.stdout
+    for rank, *values in differences:
+        assert all(float(value) < 1e-4 for value in values), (rank, values)

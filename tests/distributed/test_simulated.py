@@ -98,3 +98,18 @@ def test_bfloat16_close_to_one_process(strategy: str) -> None:
     for got, alone, want in zip(split, one, oracle):
         finite = np.isfinite(want)
         assert np.abs(got[finite] - want[finite]).max() <= 3 * np.abs(alone[finite] - want[finite]).max() + 1e-2
+
+
+@pytest.mark.parametrize("backend", ["reference", "cuda-emulated"])
+def test_blocks_run_on_other_backends(backend: str) -> None:
+    """Every block's key_offset reaches the kernels of the other backends (the GPU's in the emulator)."""
+    import fastattn
+
+    if not fastattn.backends.available()[backend].available:
+        pytest.skip(f"{backend} unavailable here")
+    shape = (1, 4, 2, 40, 40, 16, 16)
+    options = {"causal": "bottom_right", "window": (9, 2), "key_lengths": np.array([33])}
+    inputs = _inputs(shape)
+    expected = single_process(inputs, np.float32, **options)
+    actual = sharded("ring", 3, inputs, np.float32, backend=backend, **options)
+    assert worst_relative(actual, expected) <= 1e-5, f"seed {inputs.seed}"
