@@ -178,6 +178,23 @@ def test_bfloat16_large_tiles_match_oracle(options) -> None:
         fastattn.set_num_threads(before)
 
 
+@pytest.mark.parametrize(
+    ("dtype", "head_dim", "head_dim_v", "expected"),
+    [("bfloat16", 64, 64, True), ("bfloat16", 48, 64, False), ("bfloat16", 64, 40, False), ("float32", 64, 64, False)],
+)
+def test_planner_picks_amx_tiles_by_the_kernels_rule(
+    dtype: str, head_dim: int, head_dim_v: int, expected: bool
+) -> None:
+    """The planner asks the kernels (``_flash.forward_on_amx``) rather than restating their rule."""
+    numpy_dtype = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float32
+    q = np.zeros((2, 4, 300, head_dim), numpy_dtype)
+    k = np.zeros((2, 2, 600, head_dim), numpy_dtype)
+    v = np.zeros((2, 2, 600, head_dim_v), numpy_dtype)
+    problem = fastattn.explain(q, k, v).problem
+    amx_tiles = (cpu_backend.AMX_TILE_ROWS, cpu_backend.AMX_KEY_TILE)
+    assert (cpu_backend.tile_sizes(problem, 2) == amx_tiles) == (expected and isa.active() == "amx")
+
+
 BACKWARD_CHUNK_CASES = {
     "causal-window-float32": ({"causal": "bottom_right", "window": (50, 3)}, np.float32, 2),
     "mask-lengths-float32": ({"mask": "bool", "key_lengths": True}, np.float32, 2),

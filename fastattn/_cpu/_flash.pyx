@@ -109,6 +109,7 @@ cdef extern from "kernel_table.h" namespace "fastattn" nogil:
         ItemFunction backward_delta
         ItemFunction backward_gradients
         ItemFunction backward_dq
+        bint (*forward_on_amx)(const FwdParams* params, int64_t rows) noexcept nogil
 
 cdef extern from "dispatch.h" namespace "fastattn" nogil:
     cdef struct IsaLevel:
@@ -166,6 +167,14 @@ def use_isa(str name):
 def active_isa():
     """Return the name of the level new plans run."""
     return _active.name.decode("ascii")
+
+
+def forward_on_amx(problem, int64_t block_queries, int64_t key_tile):
+    """Whether the active level runs ``problem``'s forward items of ``block_queries`` positions and
+    ``key_tile`` keys on AMX tiles (the kernels' own rule, ``amx_forward_applies``)."""
+    cdef FwdParams p
+    _fill_from_problem(&p, problem, block_queries, key_tile)
+    return bool(_active.forward_on_amx(&p, p.group * min(block_queries, p.seq_q)))
 
 
 cdef inline char* _data(array):

@@ -27,6 +27,9 @@ struct KernelTable {
     ItemFunction backward_delta; /* one query row's delta = dO . O */
     ItemFunction backward_gradients; /* one (b, kv head, chunk of key blocks): dK, dV, a dQ partial */
     ItemFunction backward_dq;        /* one (b, kv head, query block): dQ, the partials summed */
+    /* Whether a forward item of `rows` stacked query rows runs on AMX tiles (false below the amx level):
+     * the one rule, which the Python planner also asks to pick the AMX tile sizes. */
+    bool (*forward_on_amx)(const FwdParams* params, int64_t rows);
 };
 
 }  // namespace fastattn

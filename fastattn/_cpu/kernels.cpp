@@ -69,12 +69,22 @@ static void backward_dq(const void* params, char* scratch, int64_t item) {
 #undef FASTATTN_CALL
 }
 
+static bool forward_on_amx(const FwdParams* p, int64_t rows) {
+#if defined(FASTATTN_HAS_AMX)
+    return p->dtype == DTYPE_BFLOAT16 && amx_forward_applies(*p, rows);
+#else
+    (void)p;
+    (void)rows;
+    return false;
+#endif
+}
+
 #undef FASTATTN_BY_DTYPE
 
 const KernelTable* kernel_table() {
     static const KernelTable table = {
         FASTATTN_ISA_NAME,      FASTATTN_VECTOR_BYTES, forward_scratch_bytes, forward_item, forward_combine,
-        backward_scratch_bytes, backward_delta,        backward_gradients,    backward_dq,
+        backward_scratch_bytes, backward_delta,        backward_gradients,    backward_dq,     forward_on_amx,
     };
     return &table;
 }

@@ -37,18 +37,13 @@ def build_summary() -> str:
 
 def tile_sizes(problem: AttentionProblem, threads: int) -> tuple[int, int]:
     """Return ``(tile_rows, key_tile)`` of the forward: ``AMX_TILE_ROWS``/``AMX_KEY_TILE`` where the
-    AMX kernel runs (the amx level, bfloat16, D a multiple of 32 and Dv of 16) and the larger row
-    blocks still give every thread four items, else ``TILE_ROWS``/``KEY_TILE``."""
-    amx = (
-        isa.active() == "amx"
-        and problem.dtype == "bfloat16"
-        and problem.head_dim % 32 == 0
-        and problem.head_dim_v % 16 == 0
-    )
-    if amx:
-        positions = max(1, AMX_TILE_ROWS // problem.group_size)
-        if problem.batch * problem.heads_kv * math.ceil(problem.seq_q / positions) >= 4 * threads:
-            return AMX_TILE_ROWS, AMX_KEY_TILE
+    kernels would run those items on AMX (they say so: ``_flash.forward_on_amx``, the rule the
+    kernels apply) and the larger row blocks still give every thread four items, else
+    ``TILE_ROWS``/``KEY_TILE``."""
+    positions = max(1, AMX_TILE_ROWS // problem.group_size)
+    enough_items = problem.batch * problem.heads_kv * math.ceil(problem.seq_q / positions) >= 4 * threads
+    if enough_items and _flash.forward_on_amx(problem, positions, AMX_KEY_TILE):
+        return AMX_TILE_ROWS, AMX_KEY_TILE
     return TILE_ROWS, KEY_TILE
 
 

@@ -27,7 +27,6 @@ from typing import Any
 import numpy as np
 
 from .. import _arrays
-from .._options import AttentionOptions
 from . import _setup
 from ._blocks import block_backward, block_forward, block_rule
 from ._comm import Communicator, Request
@@ -35,9 +34,9 @@ from ._merge import merge_into
 from ._setup import ShardedCall
 
 
-def _pack(xp: Any, arrays: list[Any], dtype: Any) -> Any:
-    """One flat contiguous buffer holding ``arrays`` one after the other."""
-    return xp.concatenate([xp.asarray(array, dtype=dtype).reshape(-1) for array in arrays])
+def _pack(xp: Any, arrays: list[Any]) -> Any:
+    """One flat contiguous buffer holding ``arrays`` (of one dtype) one after the other."""
+    return xp.concatenate([array.reshape(-1) for array in arrays])
 
 
 def _unpack(flat: Any, shapes: list[tuple[int, ...]]) -> list[Any]:
@@ -137,7 +136,7 @@ def ring_forward(plan: ShardedCall) -> tuple[Any, Any]:
     accumulate = _arrays.accumulation_dtype(p.dtype)
     out = xp.zeros((p.batch, p.heads_q, p.seq_q, p.head_dim_v), dtype=accumulate)
     lse = xp.full((p.batch, p.heads_q, p.seq_q), -np.inf, dtype=accumulate)
-    held = _pack(xp, [k, v], k.dtype) if comm.size > 1 else None
+    held = _pack(xp, [k, v]) if comm.size > 1 else None
     ring = _Ring(comm)
     for step in range(comm.size):
         owner = (comm.rank - step) % comm.size
@@ -152,7 +151,7 @@ def ring_forward(plan: ShardedCall) -> tuple[Any, Any]:
             ring.wait(incoming, "K/V")
             ring.finish()
             held = following
-    return out, lse.astype(_arrays.accumulation_dtype(p.dtype))
+    return out, lse
 
 
 def ring_backward(plan: ShardedCall) -> tuple[Any, Any, Any]:
@@ -164,7 +163,7 @@ def ring_backward(plan: ShardedCall) -> tuple[Any, Any, Any]:
     xp = _arrays.namespace(q)
     accumulate = _arrays.accumulation_dtype(p.dtype)
     dq = xp.zeros(q.shape, dtype=accumulate)
-    held = _pack(xp, [k, v], k.dtype) if comm.size > 1 else None
+    held = _pack(xp, [k, v]) if comm.size > 1 else None
     ring = _Ring(comm)
     arriving = arriving_buffer = None
     part = None
@@ -202,17 +201,6 @@ def ring_backward(plan: ShardedCall) -> tuple[Any, Any, Any]:
         part = arriving_buffer
     dk, dv = _unpack(part, _kv_shapes(plan, comm.rank))
     return dq, dk, dv
-
-
-def _result(native: Any, dtype: Any, layout: str, origin: Any) -> Any:
-    """A float accumulator ``(B, H, S, D)`` handed back in the inputs' dtype, layout and framework
-    (the accumulator itself where it already is both)."""
-    if native.dtype != dtype or layout != "bhsd":
-        xp = _arrays.namespace(native)
-        result = _arrays.empty_bhsd(xp, native.shape, dtype, layout)
-        result[...] = native
-        native = _arrays.swap_layout(result, layout)
-    return _arrays.from_native(native, origin)
 
 
 def ring_attention(
@@ -273,17 +261,11 @@ def ring_attention(
         With ``return_lse``: float32 (float64 for float64 inputs).
     """
     _setup.decline("ring_attention", mask, dropout_p)
-    options = AttentionOptions(
-        causal=causal, scale=scale, key_lengths=key_lengths, window=window, softcap=softcap, layout=layout,
-        backend=backend,
-    )  # fmt: skip
+    options = _setup.sharded_options(causal, scale, window, softcap, key_lengths, layout, backend)
     plan = _setup.start("ring_attention", comm, "forward", {"q": q, "k": k, "v": v}, options, sharding)
     out, lse = ring_forward(plan)
-    call = plan.call
-    result = _result(out, call.arrays["q"].dtype, call.problem.layout, call.origin)
-    if return_lse:
-        return result, _arrays.from_native(lse, call.origin)
-    return result
+    result = _setup.hand_back(out, plan)
+    return (result, _arrays.from_native(lse, plan.call.origin)) if return_lse else result
 
 
 def ring_attention_backward(
@@ -322,13 +304,8 @@ def ring_attention_backward(
         This rank's shards of the gradients, summed over every rank's queries; inputs' dtype,
         framework, device and layout.
     """
-    options = AttentionOptions(
-        causal=causal, scale=scale, key_lengths=key_lengths, window=window, softcap=softcap, layout=layout,
-        backend=backend,
-    )  # fmt: skip
+    options = _setup.sharded_options(causal, scale, window, softcap, key_lengths, layout, backend)
     arrays = {"q": q, "k": k, "v": v, "dout": dout, "out": out, "lse": lse}
     plan = _setup.start("ring_attention_backward", comm, "backward", arrays, options, sharding)
-    grads = ring_backward(plan)
-    call = plan.call
-    dtype = call.arrays["q"].dtype
-    return tuple(_result(grad, dtype, call.problem.layout, call.origin) for grad in grads)
+    dq, dk, dv = ring_backward(plan)
+    return _setup.hand_back(dq, plan), _setup.hand_back(dk, plan), _setup.hand_back(dv, plan)

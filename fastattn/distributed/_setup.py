@@ -85,6 +85,28 @@ def decline(name: str, mask: Any, dropout_p: Any) -> None:
         raise UnsupportedError(f"{name}: a sequence split across ranks cannot run these options", reasons)
 
 
+def sharded_options(
+    causal: Any, scale: Any, window: Any, softcap: Any, key_lengths: Any, layout: Any, backend: Any
+) -> AttentionOptions:
+    """The options of a sharded call (those whole-sequence attention shares), checked by :func:`start`."""
+    return AttentionOptions(
+        causal=causal, scale=scale, key_lengths=key_lengths, window=window, softcap=softcap, layout=layout,
+        backend=backend,
+    )  # fmt: skip
+
+
+def hand_back(native: Any, plan: ShardedCall) -> Any:
+    """A native ``(B, H, S, D)`` result in the inputs' dtype, layout and framework (itself, with no
+    copy, where it already has the dtype and the layout is ``"bhsd"``)."""
+    call = plan.call
+    dtype, layout = call.arrays["q"].dtype, call.problem.layout
+    if native.dtype != dtype or layout != "bhsd":
+        result = _arrays.empty_bhsd(_arrays.namespace(native), native.shape, dtype, layout)
+        result[...] = native
+        native = _arrays.swap_layout(result, layout)
+    return _arrays.from_native(native, call.origin)
+
+
 def _local_row(call: Any) -> np.ndarray:
     p = call.problem
     dtype = _arrays.SUPPORTED_DTYPES.index(p.dtype)

@@ -45,10 +45,10 @@ class _Receive(Request):
         if self.done:
             return True
         with self.world.condition:
-            if self.world.failure is not None:
-                raise RuntimeError("simulated communicator: another rank failed") from self.world.failure
             queue = self.world.mailbox.get(self.key)
             if not queue:
+                if self.world.failure is not None:
+                    raise RuntimeError("simulated communicator: another rank failed") from self.world.failure
                 return False
             payload = queue.pop(0)
         target = as_bytes(self.target)

@@ -74,13 +74,6 @@ def _whole_options(options: AttentionOptions) -> AttentionOptions:
     return options._replace(layout="bhsd", return_lse=True)
 
 
-def _handed_back(native: Any, plan: ShardedCall) -> Any:
-    call = plan.call
-    result = _arrays.empty_bhsd(_arrays.namespace(native), native.shape, native.dtype, call.problem.layout)
-    result[...] = native
-    return _arrays.from_native(_arrays.swap_layout(result, call.problem.layout), call.origin)
-
-
 def ulysses_attention(
     q: Any,
     k: Any,
@@ -105,10 +98,7 @@ def ulysses_attention(
     when Hq or Hkv does not divide by the number of ranks.
     """
     _setup.decline("ulysses_attention", mask, dropout_p)
-    options = AttentionOptions(
-        causal=causal, scale=scale, key_lengths=key_lengths, window=window, softcap=softcap, layout=layout,
-        backend=backend,
-    )  # fmt: skip
+    options = _setup.sharded_options(causal, scale, window, softcap, key_lengths, layout, backend)
     plan = _setup.start("ulysses_attention", comm, "forward", {"q": q, "k": k, "v": v}, options, sharding)
     heads_q, heads_kv = _heads_per_rank(plan, "ulysses_attention")
     a = plan.call.arrays
@@ -121,7 +111,7 @@ def ulysses_attention(
         )
     )
     out = _to_sequence(plan, out, plan.query_chunks, _TAG + 3)
-    result = _handed_back(out, plan)
+    result = _setup.hand_back(out, plan)
     if not return_lse:
         return result
     lse = _to_sequence(plan, lse[..., None], plan.query_chunks, _TAG + 4)[..., 0]
@@ -148,10 +138,7 @@ def ulysses_attention_backward(
 ) -> tuple[Any, Any, Any]:
     """Gradients of :func:`ulysses_attention` for this rank's shards (parameters and returns as
     :func:`ring_attention_backward`)."""
-    options = AttentionOptions(
-        causal=causal, scale=scale, key_lengths=key_lengths, window=window, softcap=softcap, layout=layout,
-        backend=backend,
-    )  # fmt: skip
+    options = _setup.sharded_options(causal, scale, window, softcap, key_lengths, layout, backend)
     arrays = {"q": q, "k": k, "v": v, "dout": dout, "out": out, "lse": lse}
     plan = _setup.start("ulysses_attention_backward", comm, "backward", arrays, options, sharding)
     heads_q, heads_kv = _heads_per_rank(plan, "ulysses_attention_backward")
@@ -168,4 +155,4 @@ def ulysses_attention_backward(
     dq = _to_sequence(plan, dq, plan.query_chunks, _TAG + 6)
     dk = _to_sequence(plan, dk, plan.key_chunks, _TAG + 7)
     dv = _to_sequence(plan, dv, plan.key_chunks, _TAG + 8)
-    return _handed_back(dq, plan), _handed_back(dk, plan), _handed_back(dv, plan)
+    return _setup.hand_back(dq, plan), _setup.hand_back(dk, plan), _setup.hand_back(dv, plan)
