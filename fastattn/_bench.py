@@ -1,11 +1,11 @@
 """The main job's benchmark: fastattn's backends against plain numpy attention and PyTorch.
 
 Each case is timed as the median of repeated runs after a short pause and one warm-up, on float32
-inputs in the ``(B, H, S, D)`` layout; the error column is the largest absolute difference from the
-float64 reference on the same inputs.  fastattn's backends appear as ``"fastattn <backend>"``; one
-that declines a case shows its first reason instead of a time.  Besides the fixed cases, a sweep of
-causal self-attention over growing sequence lengths (B=1, H=8, D=64) gives the curve that
-:func:`write_plot` draws.
+(or, for the ``-bf16`` cases, bfloat16) inputs in the ``(B, H, S, D)`` layout; the error column is
+the largest absolute difference from the float64 reference on the same inputs.  fastattn's backends
+appear as ``"fastattn <backend>"``; one that declines a case shows its first reason instead of a
+time.  Besides the fixed cases, a sweep of causal self-attention over growing sequence lengths (B=1,
+H=8, D=64) gives the curve that :func:`write_plot` draws.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ TORCH = "torch sdpa"
 
 @dataclass(frozen=True)
 class BenchCase:
-    """One benchmark shape (layout bhsd, float32).
+    """One benchmark shape (layout bhsd).
 
     Attributes
     ----------
@@ -48,6 +48,8 @@ class BenchCase:
         ``B, Hq, Hkv, Sq, Sk, D`` (``Dv = D``).
     causal : bool
         Top-left causal mask.
+    dtype : str
+        The inputs' dtype: ``"float32"`` or ``"bfloat16"``.
     """
 
     name: str
@@ -58,6 +60,7 @@ class BenchCase:
     seq_k: int
     head_dim: int
     causal: bool
+    dtype: str = "float32"
 
     @property
     def flops(self) -> float:
@@ -71,7 +74,8 @@ class BenchCase:
             f"B={self.batch} Hq={self.heads_q} Hkv={self.heads_kv} Sq={self.seq_q} Sk={self.seq_k} "
             f"D={self.head_dim}"
         )
-        return f"{shape} causal" if self.causal else shape
+        shape = f"{shape} causal" if self.causal else shape
+        return shape if self.dtype == "float32" else f"{shape} {self.dtype}"
 
 
 def sweep(lengths: Sequence[int]) -> tuple[BenchCase, ...]:
@@ -83,6 +87,8 @@ QUICK_CASES = (
     BenchCase("mha-256", 1, 8, 8, 256, 256, 64, False),
     BenchCase("gqa-512", 1, 16, 4, 512, 512, 64, True),
     BenchCase("decode-2048", 4, 32, 8, 1, 2048, 128, False),
+    BenchCase("gqa-512-bf16", 1, 16, 4, 512, 512, 64, True, "bfloat16"),
+    BenchCase("decode-bf16", 4, 32, 8, 1, 2048, 128, False, "bfloat16"),
 )
 QUICK_SWEEP = sweep((128, 256, 512, 1024))
 FULL_CASES = QUICK_CASES + (BenchCase("mha-1024", 1, 8, 8, 1024, 1024, 64, False),)
@@ -192,7 +198,12 @@ def _torch_runner(device: str, q: Any, k: Any, v: Any, causal: bool) -> Callable
     torch = importlib.import_module("torch")
     if device == "cuda" and not torch.cuda.is_available():
         return "this torch build has no CUDA"
-    tq, tk, tv = (torch.from_dlpack(x) for x in (q, k, v))
+    def tensor(x: Any) -> Any:
+        if device == "cpu" and x.dtype == _arrays.bfloat16:  # numpy exports no bfloat16 DLPack
+            return torch.from_numpy(x.view(np.int16)).view(torch.bfloat16)
+        return torch.from_dlpack(x)
+
+    tq, tk, tv = (tensor(x) for x in (q, k, v))
     gqa = tq.shape[1] != tk.shape[1]
 
     def run() -> Any:
@@ -208,6 +219,8 @@ def _runner(
     """Return a closure running implementation ``name`` on ``inputs``, or why it does not run."""
     q, k, v = inputs
     if name == PLAIN[device]:
+        if q.dtype != np.float32:
+            return f"float32 only ({_arrays.dtype_name(q.dtype)}: numpy and CuPy have no matmul kernels for it)"
         return lambda: numpy_naive_attention(q, k, v, causal)
     if name == TORCH:
         return _torch_runner(device, q, k, v, causal)
@@ -254,7 +267,8 @@ def run_cases(
                 "k": (case.batch, case.heads_kv, case.seq_k, case.head_dim),
                 "v": (case.batch, case.heads_kv, case.seq_k, case.head_dim),
             }
-            host = {name: rng.standard_normal(shape, dtype=np.float32) for name, shape in shapes.items()}
+            dtype = _arrays.numpy_dtype(case.dtype)
+            host = {name: rng.standard_normal(shape, dtype=np.float32).astype(dtype) for name, shape in shapes.items()}
             q, k, v = (xp.asarray(host[name]) for name in ("q", "k", "v"))
             exact = functional.attention(
                 *(xp.asarray(host[name], dtype=xp.float64) for name in ("q", "k", "v")),
