@@ -502,6 +502,33 @@ static void forward_block(const FwdParams& p, T* scratch, int64_t b, int64_t kvh
  * and output conventions as forward_block. */
 constexpr int kDotMaxRows = 8;
 
+/* o[r][0 : CB*L] += sum_j s[r][j] v[j][0 : CB*L] for the R rows (row r of o at o + r * o_stride, of s
+ * at s + r * s_stride), the R x CB output vectors in registers while the n value rows stream past
+ * once.  Skip leaves out weights that are exactly 0 (the rerun after a non-finite output,
+ * note_stored): a test per weight, which the usual pass does not pay. */
+template <typename T, int R, int CB, bool Skip>
+static inline void accumulate_pv(T* o, int64_t o_stride, const T* s, int64_t s_stride, const T* v, int64_t v_stride,
+                                 int64_t n) {
+    typedef typename Vec<T>::type V;
+    constexpr int L = Vec<T>::lanes;
+    V acc[R][CB];
+    for (int r = 0; r < R; ++r)
+        for (int cb = 0; cb < CB; ++cb) acc[r][cb] = vload<V>(o + r * o_stride + cb * L);
+    for (int64_t j = 0; j < n; ++j) {
+        const T* value = v + j * v_stride;
+        V vv[CB];
+        for (int cb = 0; cb < CB; ++cb) vv[cb] = vload<V>(value + cb * L);
+        for (int r = 0; r < R; ++r) {
+            const T w = s[r * s_stride + j];
+            if (Skip && w == T(0)) continue;
+            const V weight = vbroadcast(w);
+            for (int cb = 0; cb < CB; ++cb) acc[r][cb] += weight * vv[cb];
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int cb = 0; cb < CB; ++cb) vstore(o + r * o_stride + cb * L, acc[r][cb]);
+}
+
 template <typename T, typename In, int R>
 static void forward_block_dot(const FwdParams& p, T* scratch, int64_t b, int64_t kvh, int64_t q0, int64_t qn,
                               int64_t k_begin, int64_t k_end, T* partial_out, T* partial_lse) {
@@ -636,21 +663,10 @@ static void forward_block_dot(const FwdParams& p, T* scratch, int64_t b, int64_t
 
         /* O[r][:] += P[r][j] V[j][:], CB vectors of each row's O in registers. */
         for (int64_t c = 0; c < dv_main; c += CB * L) {
-            V acc[R][CB];
-            for (int r = 0; r < R; ++r)
-                for (int cb = 0; cb < CB; ++cb) acc[r][cb] = vload<V>(o + r * Dv + c + cb * L);
-            for (int64_t j = 0; j < n; ++j) {
-                const T* value = v_rows + j * v_row_stride + c;
-                V vv[CB];
-                for (int cb = 0; cb < CB; ++cb) vv[cb] = vload<V>(value + cb * L);
-                for (int r = 0; r < R; ++r) {
-                    const V weight = vbroadcast(s[r * N + j]);
-                    if (skip && s[r * N + j] == T(0)) continue;
-                    for (int cb = 0; cb < CB; ++cb) acc[r][cb] += weight * vv[cb];
-                }
-            }
-            for (int r = 0; r < R; ++r)
-                for (int cb = 0; cb < CB; ++cb) vstore(o + r * Dv + c + cb * L, acc[r][cb]);
+            if (skip)
+                accumulate_pv<T, R, CB, true>(o + c, Dv, s, N, v_rows + c, v_row_stride, n);
+            else
+                accumulate_pv<T, R, CB, false>(o + c, Dv, s, N, v_rows + c, v_row_stride, n);
         }
         for (int64_t j = 0; j < n; ++j) {
             const T* value = v_rows + j * v_row_stride;
