@@ -188,19 +188,12 @@ def start(
 
 
 def _host_lengths(key_lengths: Any, batch: int, seq_k: int) -> np.ndarray | None:
-    """The global key_lengths as a host int64 array, range-checked against the whole sequence."""
+    """The global key_lengths as a host int64 array, checked as :func:`fastattn.attention` checks
+    them, against the whole key sequence."""
     if key_lengths is None:
         return None
     native, _ = _arrays.to_native(key_lengths, "key_lengths")
-    host = native.get() if hasattr(native, "get") else np.asarray(native)
-    if host.shape != (batch,) or host.dtype.kind not in "iu":
-        raise TypeError(
-            f"key_lengths: expected an integer array of shape ({batch},), received {host.dtype} {host.shape}"
-        )
-    host = host.astype(np.int64)
-    if host.size and (host.min() < 0 or host.max() > seq_k):
-        raise ValueError(
-            f"key_lengths: expected values in [0, Sk={seq_k}] (the whole sequence), received values in "
-            f"[{host.min()}, {host.max()}]"
-        )
+    _validation._key_lengths(native, batch)
+    host = (native.get() if hasattr(native, "get") else np.asarray(native)).astype(np.int64)
+    _validation._lengths_in_range(host, seq_k)
     return host
