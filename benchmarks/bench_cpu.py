@@ -10,6 +10,9 @@ and the DRAM read bandwidth, all on the same threads.  Each row shows its ratio 
 those ceilings; the JSON names the CPU (model, family, ISA flags) and the kernels' level.
 ``--dtype bfloat16`` (or ``float16``) times the same cases in that dtype, against torch's SDPA in
 it, with torch's gemm in that dtype as the gemm ceiling (numpy naive runs float32 only).
+``--masks`` times masked variants of the cases (see ``MASKS``): each interleaves the masked call with
+the same call unmasked and with torch's SDPA under the same mask (causal folded into it, as torch
+takes no mask together with ``is_causal``), and reports the masked / unmasked time.
 ``--memory`` adds the (1, 8, 32768, 32768, 128) causal forward (and forward+backward) and reports
 peak RSS beyond inputs, outputs and gradients, measured in a subprocess.
 
@@ -17,6 +20,7 @@ peak RSS beyond inputs, outputs and gradients, measured in a subprocess.
     python benchmarks/bench_cpu.py --cases C1 C6 --repeats 7
     python benchmarks/bench_cpu.py --impls fastattn --passes forward   # one implementation only
     python benchmarks/bench_cpu.py --dtype bfloat16 --passes forward   # against torch's bf16 SDPA and gemm
+    python benchmarks/bench_cpu.py --cases C1 C2 --masks bool-keys float-full   # what masks cost
 """
 
 from __future__ import annotations
@@ -55,6 +59,42 @@ CASES: dict[str, tuple[int, int, int, int, int, int, bool]] = {
     "C5": (1, 32, 8, 2048, 2048, 128, True),
     "C6": (8, 32, 8, 1, 4096, 128, False),
 }
+
+#: Mask variants (``--masks``), each random in its own way (``make_mask``); "none" is the plain case.
+MASKS = {
+    "none": "no mask",
+    "bool-keys": "bool (B,1,1,Sk), ~10% of keys hidden at random positions",
+    "bool-full": "bool (B,Hq,Sq,Sk), ~10% of entries hidden at random positions",
+    "float-keys": "additive float (B,1,1,Sk) in the inputs' dtype, random values",
+    "float-full": "additive float (B,Hq,Sq,Sk) in the inputs' dtype, random values",
+    "prefix-keys": "bool (B,1,1,Sk) that is a key prefix per batch row (~90% of keys): run as key_lengths",
+}
+
+
+def make_mask(kind: str, batch: int, heads_q: int, seq_q: int, seq_k: int, dtype: Any, seed: int = 2) -> np.ndarray | None:
+    """The ``kind`` of ``MASKS`` for a (batch, heads_q, seq_q, seq_k) problem, or None for "none"."""
+    rng = np.random.default_rng(seed)
+    full = (batch, heads_q, seq_q, seq_k)
+    keys = (batch, 1, 1, seq_k)
+    if kind == "none":
+        return None
+    if kind in ("bool-keys", "bool-full"):
+        return rng.random(keys if kind == "bool-keys" else full) >= 0.1
+    if kind in ("float-keys", "float-full"):
+        return rng.standard_normal(keys if kind == "float-keys" else full, dtype=np.float32).astype(dtype)
+    if kind == "prefix-keys":
+        lengths = rng.integers(int(0.85 * seq_k), int(0.95 * seq_k) + 1, size=batch)
+        return (np.arange(seq_k) < lengths[:, None]).reshape(keys)
+    raise ValueError(f"mask kind must be one of {sorted(MASKS)}, got {kind!r}")
+
+
+def causal_folded(mask: np.ndarray, seq_q: int, seq_k: int) -> np.ndarray:
+    """``mask`` with top-left causal hiding folded in (what torch's SDPA needs: it takes no mask
+    together with ``is_causal``)."""
+    below = np.tril(np.ones((seq_q, seq_k), dtype=bool))
+    if mask.dtype == bool:
+        return np.ascontiguousarray(mask & below)
+    return np.ascontiguousarray(np.where(below, mask, np.array(-np.inf, dtype=mask.dtype)))
 
 
 def forward_flops(batch: int, heads_q: int, seq_q: int, seq_k: int, dim: int, causal: bool) -> float:
@@ -242,20 +282,23 @@ def numpy_naive_backward(q, k, v, dout, causal):
 
 
 def implementations(torch: Any, direction: str) -> dict[str, Callable[..., Callable[[], Any]]]:
-    """Each entry takes (q, k, v, dout, causal) as numpy arrays and returns a zero-argument runner
-    of the forward, or of forward + backward."""
+    """Each entry takes (q, k, v, dout, causal, mask) as numpy arrays (mask None or a ``MASKS``
+    array) and returns a zero-argument runner of the forward, or of forward + backward."""
 
-    def fastattn_cpu(q, k, v, dout, causal):
+    def fastattn_cpu(q, k, v, dout, causal, mask=None):
+        options = dict(causal=causal, mask=mask, backend="cpu")
         if direction == "forward":
-            return lambda: fastattn.attention(q, k, v, causal=causal, backend="cpu")
+            return lambda: fastattn.attention(q, k, v, **options)
 
         def both():
-            out, lse = fastattn.attention(q, k, v, causal=causal, backend="cpu", return_lse=True)
-            return fastattn.attention_backward(dout, q, k, v, out, lse, causal=causal, backend="cpu")
+            out, lse = fastattn.attention(q, k, v, return_lse=True, **options)
+            return fastattn.attention_backward(dout, q, k, v, out, lse, **options)
 
         return both
 
-    def numpy_naive(q, k, v, dout, causal):
+    def numpy_naive(q, k, v, dout, causal, mask=None):
+        if mask is not None:
+            raise ValueError("numpy naive runs unmasked cases only")
         if direction == "forward":
             return lambda: numpy_naive_attention(q, k, v, causal)
         return lambda: numpy_naive_backward(q, k, v, dout, causal)
@@ -263,19 +306,22 @@ def implementations(torch: Any, direction: str) -> dict[str, Callable[..., Calla
     found = {"fastattn cpu": fastattn_cpu, "numpy naive": numpy_naive}
     if torch is not None:
 
-        def torch_sdpa(q, k, v, dout, causal):
+        def torch_sdpa(q, k, v, dout, causal, mask=None):
             sdpa = torch.nn.functional.scaled_dot_product_attention
-            gqa = q.shape[1] != k.shape[1]
+            options: dict[str, Any] = dict(is_causal=causal, enable_gqa=q.shape[1] != k.shape[1])
+            if mask is not None:
+                folded = causal_folded(mask, q.shape[2], k.shape[2]) if causal else mask
+                options.update(is_causal=False, attn_mask=torch_tensor(torch, folded))
             if direction == "forward":
                 tq, tk, tv = (torch_tensor(torch, x) for x in (q, k, v))
-                return lambda: sdpa(tq, tk, tv, is_causal=causal, enable_gqa=gqa)
+                return lambda: sdpa(tq, tk, tv, **options)
             leaves = [torch_tensor(torch, x).requires_grad_() for x in (q, k, v)]
             grad = torch_tensor(torch, dout)
 
             def both():
                 for leaf in leaves:
                     leaf.grad = None
-                sdpa(*leaves, is_causal=causal, enable_gqa=gqa).backward(grad)
+                sdpa(*leaves, **options).backward(grad)
 
             return both
 
@@ -284,8 +330,16 @@ def implementations(torch: Any, direction: str) -> dict[str, Callable[..., Calla
 
 
 def run_case(
-    name: str, direction: str, impls: dict[str, Callable[..., Callable[[], Any]]], repeats: int, dtype: str = "float32"
+    name: str,
+    direction: str,
+    impls: dict[str, Callable[..., Callable[[], Any]]],
+    repeats: int,
+    dtype: str = "float32",
+    mask_kind: str = "none",
 ) -> list[dict[str, Any]]:
+    """Time one case: every implementation in ``impls``, interleaved.  With a ``mask_kind`` other
+    than "none" each runs under that mask, and fastattn also runs unmasked ("fastattn cpu
+    unmasked") in the same rounds, the baseline of the mask's cost."""
     batch, heads_q, heads_kv, seq_q, seq_k, dim, causal = CASES[name]
     rng = np.random.default_rng(1)
     q, k, v, dout = (
@@ -293,14 +347,19 @@ def run_case(
         for shape in ((batch, heads_q, seq_q, dim), (batch, heads_kv, seq_k, dim), (batch, heads_kv, seq_k, dim),
                       (batch, heads_q, seq_q, dim))
     )
+    mask = make_mask(mask_kind, batch, heads_q, seq_q, seq_k, DTYPES[dtype])
     flops = forward_flops(batch, heads_q, seq_q, seq_k, dim, causal) * (3.5 if direction == "forward+backward" else 1)
     kv_bytes = k.nbytes + v.nbytes
-    print(f"  {name} {direction}", file=sys.stderr, flush=True)
-    medians = interleaved_medians({label: make(q, k, v, dout, causal) for label, make in impls.items()}, repeats)
+    print(f"  {name} {direction}" + ("" if mask is None else f" mask {mask_kind}"), file=sys.stderr, flush=True)
+    runs = {label: make(q, k, v, dout, causal, mask) for label, make in impls.items()}
+    if mask is not None and "fastattn cpu" in impls:
+        runs["fastattn cpu unmasked"] = impls["fastattn cpu"](q, k, v, dout, causal)
+    medians = interleaved_medians(runs, repeats)
     return [
         {
             "case": name,
             "pass": direction,
+            "mask": mask_kind,
             "implementation": label,
             "median_ms": 1e3 * seconds,
             "gflops": flops / seconds / 1e9,
@@ -360,22 +419,29 @@ def memory_case(direction: str) -> dict[str, Any]:
     return dict(json.loads(result.stdout.strip().splitlines()[-1]), direction=direction)
 
 
+def _key(row: dict[str, Any]) -> tuple[str, str, str]:
+    return row["case"], row["pass"], row.get("mask", "none")
+
+
 def format_table(rows: list[dict[str, Any]], ceiling: dict[str, float], dtype: str = "float32") -> str:
-    """One line per (case, pass, implementation): time, rates, and the ratios to torch and to the
-    ceilings (the gemm column: sgemm for float32, torch's gemm in the dtype otherwise)."""
-    torch_ms = {(r["case"], r["pass"]): r["median_ms"] for r in rows if r["implementation"] == "torch sdpa"}
+    """One line per (case, mask, pass, implementation): time, rates, and the ratios to torch (under
+    the same mask) and to the ceilings (the gemm column: sgemm for float32, torch's gemm in the dtype
+    otherwise)."""
+    torch_ms = {_key(r): r["median_ms"] for r in rows if r["implementation"] == "torch sdpa"}
     gemm = "of sgemm" if dtype == "float32" else "of gemm"
     header = (
-        f"{'case':<5} {'pass':<16} {'implementation':<14} {'ms':>9} {'GFLOP/s':>8} {'KV GB/s':>8} "
+        f"{'case':<15} {'pass':<16} {'implementation':<21} {'ms':>9} {'GFLOP/s':>8} {'KV GB/s':>8} "
         f"{'vs torch':>9} {gemm:>9} {'of FMA':>7} {'of read':>8}"
     )
     lines = [header, "-" * len(header)]
     for row in rows:
-        ratio = torch_ms.get((row["case"], row["pass"]), math.nan) / row["median_ms"]
+        ratio = torch_ms.get(_key(row), math.nan) / row["median_ms"]
         fma = row["gflops"] / ceiling.get("fma peak", math.nan)
         read = row["kv_gbytes_per_s"] / ceiling.get("read bandwidth", math.nan)
+        mask = row.get("mask", "none")
+        case = row["case"] if mask == "none" else f"{row['case']}/{mask}"
         lines.append(
-            f"{row['case']:<5} {row['pass']:<16} {row['implementation']:<14} {row['median_ms']:>9.2f} "
+            f"{case:<15} {row['pass']:<16} {row['implementation']:<21} {row['median_ms']:>9.2f} "
             f"{row['gflops']:>8.1f} {row['kv_gbytes_per_s']:>8.1f} {ratio:>8.2f}x {row['gflops'] / ceiling['gemm']:>8.0%} "
             f"{fma:>7.0%} {read:>8.0%}"
         )
@@ -383,13 +449,17 @@ def format_table(rows: list[dict[str, Any]], ceiling: dict[str, float], dtype: s
 
 
 def summary(rows: list[dict[str, Any]]) -> dict[str, float]:
-    """fastattn / torch time ratios per (case, pass), their geomeans and minima over C1-C5."""
-    torch_ms = {(r["case"], r["pass"]): r["median_ms"] for r in rows if r["implementation"] == "torch sdpa"}
+    """fastattn / torch time ratios per (case, pass) and, for masked cases, per mask with the
+    masked / unmasked time ("cost"); geomeans and minima over the unmasked C1-C5."""
+    by_key = {(_key(r), r["implementation"]): r["median_ms"] for r in rows}
     ratios: dict[str, float] = {}
-    for row in rows:
-        key = (row["case"], row["pass"])
-        if row["implementation"] == "fastattn cpu" and key in torch_ms:
-            ratios[f"{row['case']} {row['pass']}"] = torch_ms[key] / row["median_ms"]
+    for (key, label), ms in by_key.items():
+        case, direction, mask = key
+        name = f"{case} {direction}" + ("" if mask == "none" else f" {mask}")
+        if label == "fastattn cpu" and (key, "torch sdpa") in by_key:
+            ratios[name] = by_key[(key, "torch sdpa")] / ms
+        if label == "fastattn cpu" and (key, "fastattn cpu unmasked") in by_key:
+            ratios[f"{name} cost"] = ms / by_key[(key, "fastattn cpu unmasked")]
     for direction in ("forward", "forward+backward"):
         chosen = [ratios[f"{c} {direction}"] for c in ("C1", "C2", "C3", "C4", "C5") if f"{c} {direction}" in ratios]
         if chosen:
@@ -414,6 +484,10 @@ def main(argv: list[str] | None = None) -> int:
         "--dtype", default="float32", choices=list(DTYPES),
         help="input dtype (default float32); half precisions add torch's gemm in that dtype as the ceiling",
     )
+    parser.add_argument(
+        "--masks", nargs="+", default=["none"], choices=list(MASKS),
+        help="mask variants to time (default none); each also times fastattn unmasked in the same rounds",
+    )
     parser.add_argument("--memory", action="store_true", help="also run the 32768-token memory case")
     parser.add_argument("--json", type=Path, help="output path (default benchmarks/results/cpu-<date>.json)")
     arguments = parser.parse_args(argv)
@@ -437,7 +511,9 @@ def main(argv: list[str] | None = None) -> int:
         for name in arguments.cases:
             if direction == "forward+backward" and CASES[name][3] == 1:
                 continue  # decode (Sq = 1) is an inference path: forward only
-            rows.extend(run_case(name, direction, impls, arguments.repeats, arguments.dtype))
+            for mask_kind in arguments.masks:
+                chosen = {label: make for label, make in impls.items() if mask_kind == "none" or label != "numpy naive"}
+                rows.extend(run_case(name, direction, chosen, arguments.repeats, arguments.dtype, mask_kind))
     machine = machine_description()
     print(f"CPU: {machine.get('model_name')} (family {machine.get('family')}, model {machine.get('model')}), "
           f"{machine['cores']} logical CPUs, {fastattn.get_num_threads()} threads; fastattn level {machine['fastattn_isa']}")
@@ -457,6 +533,7 @@ def main(argv: list[str] | None = None) -> int:
         "ceilings": ceiling,
         "sgemm_gflops": ceiling["sgemm"],
         "repeats": arguments.repeats,
+        "masks": {kind: MASKS[kind] for kind in arguments.masks},
         "rows": rows,
         "ratios_vs_torch": ratios,
     }

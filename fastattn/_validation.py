@@ -85,6 +85,9 @@ class _Validated:
     plain : bool
         Layout ``"bhsd"``, no copy, no mask, no key_lengths, no dropout: the caller's arrays go to
         the backend as they are, with no extras (what a decode loop calls).
+    prefix_candidate : bool
+        The mask is bool of shape (B|1, 1, 1, Sk|1): each call looks whether it is a key prefix
+        per batch row, which then runs as ``key_lengths``.
     """
 
     problem: AttentionProblem
@@ -92,6 +95,7 @@ class _Validated:
     mask_shape: tuple[int, int, int, int] | None
     lengths_need_copy: bool
     plain: bool
+    prefix_candidate: bool = False
 
 
 _validated: dict[tuple[Any, ...], _Validated] = {}
@@ -448,7 +452,36 @@ def _validate(
         _problems.pop(next(iter(_problems)), None)
     problem = _problems.setdefault(problem, problem)
     plain = layout == "bhsd" and not copies and mask is None and lengths is None and dropout_p == 0.0
-    return _Validated(problem, copies, mask_shape, lengths_need_copy, plain)  # type: ignore[arg-type]
+    prefix_candidate = mask_kind == "bool" and mask_shape is not None and mask_shape[1:3] == (1, 1)
+    return _Validated(problem, copies, mask_shape, lengths_need_copy, plain, prefix_candidate)  # type: ignore[arg-type]
+
+
+def key_prefix_lengths(mask: Any, batch: int, seq_k: int) -> np.ndarray | None:
+    """The key lengths a bool ``(B|1, 1, 1, Sk|1)`` host mask stands for, or None.
+
+    Where every batch row of the mask is ``True`` on keys ``[0, L_b)`` and ``False`` after, the mask
+    says exactly what ``key_lengths = L`` says (DESIGN.md §3 allows this inspection), and lengths
+    let the kernels skip whole tiles.  Reads ``B x Sk`` booleans; a device array is never read.
+
+    Returns
+    -------
+    numpy.ndarray of int64, shape (batch,), or None
+        The lengths, or None when the mask is not a key prefix (or not a host array).
+    """
+    if type(mask) is not np.ndarray:
+        return None
+    rows = np.broadcast_to(mask[:, 0, 0, :], (batch, seq_k))
+    lengths = np.count_nonzero(rows, axis=1)
+    if not np.array_equal(rows, np.arange(seq_k) < lengths[:, None]):
+        return None
+    return lengths.astype(np.int64)
+
+
+@functools.lru_cache(maxsize=CACHE_SIZE)
+def _with_prefix_as_lengths(problem: AttentionProblem) -> AttentionProblem:
+    """``problem`` with its key-prefix mask run as ``key_lengths`` (interned like every problem)."""
+    converted = replace(problem, mask=None, mask_shape=None, mask_dtype=None, has_key_lengths=True)
+    return _problems.setdefault(converted, converted)
 
 
 def _remember(key: tuple[Any, ...], validated: _Validated) -> None:
@@ -559,6 +592,11 @@ def _finish_prepare(
         if validated.lengths_need_copy:
             lengths = lengths.astype(np.int64)
         _lengths_in_range(lengths, problem.seq_k)
+    if validated.prefix_candidate and (lengths is None or type(lengths) is np.ndarray):
+        prefix = key_prefix_lengths(mask, problem.batch, problem.seq_k)
+        if prefix is not None:
+            lengths = prefix if lengths is None else np.minimum(lengths, prefix)
+            mask, problem = None, _with_prefix_as_lengths(problem)
     seed, offset = options.dropout_seed, options.dropout_offset
     if problem.dropout_p == 0.0 and seed is None and type(offset) is int and offset == 0 and mask is None:
         extras = _NO_EXTRAS if lengths is None else AttentionExtras(None, lengths, None)

@@ -23,7 +23,8 @@
  *
  * Skipped work: the key range of an item is cut to what any of its rows can see (causal, window,
  * key_lengths), so fully masked tiles cost nothing; per-element masking runs only on tiles that
- * straddle a causal or window edge, or when a mask array is given.
+ * straddle a causal or window edge, or when a mask array is given (mask_tiles.h: vectorised, and
+ * tiles a bool mask hides entirely are skipped too).
  *
  * Decode (few query rows, few items): the keys are split across threads (`splits`), each split
  * writes its normalised partial output and lse, and `fa_forward_combine` merges them by lse.
@@ -41,6 +42,7 @@
 #include <type_traits>
 
 #include "isa.h"
+#include "mask_tiles.h"
 #include "params.h"
 #include "philox.h"
 #include "simd.h"
@@ -187,18 +189,6 @@ template <typename In> static inline const In* at(const char* base, int64_t elem
     return reinterpret_cast<const In*>(base) + element;
 }
 
-template <typename T> static inline T mask_value(const FwdParams& p, int64_t element, bool* visible) {
-    const char* m = p.mask;
-    switch (p.mask_kind) {
-        case MASK_BOOL: *visible = reinterpret_cast<const uint8_t*>(m)[element] != 0; return T(0);
-        case MASK_FLOAT32: return (T)reinterpret_cast<const float*>(m)[element];
-        case MASK_FLOAT64: return (T)reinterpret_cast<const double*>(m)[element];
-        case MASK_FLOAT16: return (T)to_float(reinterpret_cast<const half_bits*>(m)[element]);
-        case MASK_BFLOAT16: return (T)to_float(reinterpret_cast<const bfloat16_bits*>(m)[element]);
-        default: return T(0);
-    }
-}
-
 /* Keys in [k_begin, k_end) that some query of positions q0..q0+qn-1 can see: cut by key_lengths,
  * causal and window, so that tiles nobody sees are never visited. */
 static inline void visible_keys(const FwdParams& p, int64_t b, int64_t q0, int64_t qn, int64_t k_begin,
@@ -238,19 +228,7 @@ static void finish_scores(const FwdParams& p, T* s, T* cap_grad, int64_t mp, int
             if (cap_grad) vstore(cap_grad + e, T(4) * u / ((T(1) + u) * (T(1) + u)));
         }
     }
-    if (p.mask_kind != MASK_NONE) {
-        const int64_t G = p.group;
-        for (int64_t r = 0; r < rows; ++r) {
-            const int64_t g = r / qn, i = q0 + r % qn, h = kvh * G + g;
-            const int64_t base = b * p.mask_stride[0] + h * p.mask_stride[1] + i * p.mask_stride[2];
-            for (int64_t j = 0; j < n; ++j) {
-                bool visible = true;
-                const T added = mask_value<T>(p, base + (kt + j) * p.mask_stride[3], &visible);
-                T& score = s[j * mp + r];
-                score = visible ? score + added : neg_inf;
-            }
-        }
-    }
+    if (p.mask_kind != MASK_NONE) mask_transposed<T>(p, s, mp, rows, n, kt, b, kvh, q0, qn);
     const int64_t first_pos = q0 + p.offset, last_pos = q0 + qn - 1 + p.offset;
     const bool causal_edge = p.causal && kt + n - 1 > first_pos;
     const bool left_edge = p.window_left >= 0 && kt < last_pos - p.window_left;
@@ -468,9 +446,13 @@ static void forward_block(const FwdParams& p, T* scratch, int64_t b, int64_t kvh
 
     for (int64_t kt = lo; kt < hi; kt += N) {
         const int64_t n = std::min(N, hi - kt);
+        if (p.mask_kind != MASK_NONE && mask_hides_tile(p, b, kvh, q0, qn, kt, n)) continue;
         KvTile<T, In> tile;
         tile.load(p, b, kvh, kt, n, k_converted, v_converted);
-        if (kt + N < hi) prefetch_kv<In>(p, b, kvh, kt + N, std::min(N, hi - kt - N));
+        if (kt + N < hi) {
+            prefetch_kv<In>(p, b, kvh, kt + N, std::min(N, hi - kt - N));
+            if (p.mask_kind != MASK_NONE) prefetch_mask_tile(p, b, kvh, q0, qn, kt + N, std::min(N, hi - kt - N));
+        }
 
         /* S[j][rows] = K Qp^T (scale already in Qp). */
         for (int64_t rb = 0; rb < mp; rb += RB)
@@ -566,9 +548,13 @@ static void forward_block_dot(const FwdParams& p, T* scratch, int64_t b, int64_t
 
     for (int64_t kt = lo; kt < hi; kt += N) {
         const int64_t n = std::min(N, hi - kt);
+        if (p.mask_kind != MASK_NONE && mask_hides_tile(p, b, kvh, q0, qn, kt, n)) continue;
         KvTile<T, In> tile;
         tile.load(p, b, kvh, kt, n, k_converted, v_converted);
-        if (kt + N < hi) prefetch_kv<In>(p, b, kvh, kt + N, std::min(N, hi - kt - N));
+        if (kt + N < hi) {
+            prefetch_kv<In>(p, b, kvh, kt + N, std::min(N, hi - kt - N));
+            if (p.mask_kind != MASK_NONE) prefetch_mask_tile(p, b, kvh, q0, qn, kt + N, std::min(N, hi - kt - N));
+        }
 
         /* Scores: dot products along D.  Full blocks of L keys keep L accumulators per row and
          * reduce them together (reduce_lanes); the rest take one horizontal sum per score. */
@@ -607,27 +593,23 @@ static void forward_block_dot(const FwdParams& p, T* scratch, int64_t b, int64_t
             }
         }
 
-        /* Per-element work only where this tile needs it (same edge tests as forward_block). */
+        /* Per-element work only where this tile needs it (same edge tests as forward_block), in
+         * finish_scores' order: softcap, the mask, then causal/window hiding. */
         const bool edges = (p.causal && kt + n - 1 > first_pos) ||
                            (p.window_left >= 0 && kt < last_pos - p.window_left) ||
                            (p.window_right >= 0 && kt + n - 1 > first_pos + p.window_right);
-        const bool elementwise = edges || softcap || p.mask_kind != MASK_NONE;
+        if (softcap)
+            for (int r = 0; r < R; ++r)
+                for (int64_t j = 0; j < n; ++j) s[r * N + j] = (T)p.softcap * std::tanh(s[r * N + j] / (T)p.softcap);
+        if (p.mask_kind != MASK_NONE) mask_rows<T>(p, s, N, head, query, R, n, kt, b);
         for (int r = 0; r < R; ++r) {
             T* row = s + r * N;
-            const int64_t base = b * p.mask_stride[0] + head[r] * p.mask_stride[1] + query[r] * p.mask_stride[2];
-            for (int64_t j = 0; elementwise && j < n; ++j) {
-                T score = row[j];
-                if (softcap) score = (T)p.softcap * std::tanh(score / (T)p.softcap);
+            for (int64_t j = 0; edges && j < n; ++j) {
                 const T key = (T)(kt + j);
-                bool visible = !(p.causal && key > position[r]) &&
-                               !(p.window_left >= 0 && key < position[r] - (T)p.window_left) &&
-                               !(p.window_right >= 0 && key > position[r] + (T)p.window_right);
-                if (p.mask_kind != MASK_NONE) {
-                    bool allowed = true;
-                    score += mask_value<T>(p, base + (kt + j) * p.mask_stride[3], &allowed);
-                    visible = visible && allowed;
-                }
-                row[j] = visible ? score : neg_inf;
+                const bool visible = !(p.causal && key > position[r]) &&
+                                     !(p.window_left >= 0 && key < position[r] - (T)p.window_left) &&
+                                     !(p.window_right >= 0 && key > position[r] + (T)p.window_right);
+                if (!visible) row[j] = neg_inf;
             }
             /* Online softmax along the keys of this row. */
             T tile_max = neg_inf;

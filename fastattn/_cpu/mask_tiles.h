@@ -1,0 +1,322 @@
+/* Mask arrays on score tiles, vectorised.
+ *
+ * Mask element (b, h, i, j) sits at b*st0 + h*st1 + i*st2 + j*st3 of p.mask, in elements, with
+ * stride 0 on the axes it broadcasts (params.h).  A bool mask hides a key (score -> -inf, whatever
+ * the score was); a float mask is added to the score.  The kernels keep score tiles in two layouts:
+ *
+ *  - transposed, S[j][rows] (forward_block, the backward, the AMX forward): rows are the lanes.
+ *    A mask whose tile rows all read one mask row ((B,1,1,Sk), or (B,Hq,1,Sk) without GQA: the
+ *    common padding and ALiBi-free bias masks) costs one scalar read and one broadcast per key.
+ *    A mask whose rows differ ((B,Hq,Sq,Sk)) is read as blocks of L rows x L keys, each row's L
+ *    keys one vector load (they are contiguous in memory), transposed in registers (log2 L rounds
+ *    of L two-input shuffles: 64 shuffles for a 16 x 16 float block, ~0.25 cycle per score where
+ *    the shuffle port is single) and applied L keys at a time.  Key tails, and masks whose key axis
+ *    is not contiguous, read element by element.
+ *  - row-major, S[r][j] (forward_block_dot, the decode path): a mask row is contiguous along the
+ *    keys, so it is read L keys per vector load.
+ *
+ * Before a tile is computed at all, mask_hides_tile says whether a bool mask hides every (row, key)
+ * of it: such tiles are skipped, as tiles outside the causal, window and key_lengths range are.
+ */
+#ifndef FASTATTN_MASK_TILES_H
+#define FASTATTN_MASK_TILES_H
+
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <utility>
+
+#include "isa.h"
+#include "params.h"
+#include "simd.h"
+
+namespace fastattn {
+inline namespace FASTATTN_ISA_NAMESPACE {
+
+/* One mask element as T: a bool byte as 0 or 1, a float as its value. */
+template <typename T, typename M> static inline T mask_scalar(const M* m) {
+    if constexpr (std::is_arithmetic<M>::value)
+        return (T)*m;
+    else
+        return (T)to_float(*m);
+}
+
+/* L bool bytes as 0 / 1 in T's lanes: one zero-extending load and a conversion (GCC 12 turns
+ * __builtin_convertvector from bytes into per-lane scalar conversions). */
+template <typename T> static inline typename Vec<T>::type bytes_as(const uint8_t* m) {
+    typedef typename Vec<T>::type V;
+#if defined(__AVX512F__)
+    if constexpr (std::is_same<T, float>::value)
+        return (V)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m))));
+    else
+        return (V)_mm512_cvtepi32_pd(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(m))));
+#elif defined(__AVX2__)
+    if constexpr (std::is_same<T, float>::value) {
+        return (V)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(m))));
+    } else {
+        int32_t four;
+        std::memcpy(&four, m, sizeof(four));
+        return (V)_mm256_cvtepi32_pd(_mm_cvtepu8_epi32(_mm_cvtsi32_si128(four)));
+    }
+#else
+    T converted[Vec<T>::lanes];
+    for (int i = 0; i < Vec<T>::lanes; ++i) converted[i] = (T)m[i];
+    return vload<V>(converted);
+#endif
+}
+
+/* L consecutive mask elements as one vector of T. */
+template <typename T, typename M> static inline typename Vec<T>::type mask_vector(const M* m) {
+    typedef typename Vec<T>::type V;
+    constexpr int L = Vec<T>::lanes;
+    if constexpr (std::is_same<M, T>::value) {
+        return vload<V>(m);
+    } else if constexpr (std::is_same<M, uint8_t>::value) {
+        return bytes_as<T>(m);
+    } else if constexpr (std::is_arithmetic<M>::value) {
+        typedef M Stored __attribute__((vector_size(sizeof(M) * L)));
+        return __builtin_convertvector(vload<Stored>(m), V);
+    } else {
+        T converted[L];
+        convert_row<T, M>(m, converted, L);
+        return vload<V>(converted);
+    }
+}
+
+/* A score vector under a mask vector: bool hides where the mask is 0, float adds. */
+template <typename T, typename M>
+static inline typename Vec<T>::type masked(typename Vec<T>::type score, typename Vec<T>::type mask) {
+    typedef typename Vec<T>::type V;
+    if constexpr (std::is_same<M, uint8_t>::value)
+        return vselect(mask != V{}, score, vbroadcast(-std::numeric_limits<T>::infinity()));
+    else
+        return score + mask;
+}
+
+/* What a padded row (beyond the tile's rows) reads: a mask value that changes nothing. */
+template <typename T, typename M> constexpr T neutral_mask() { return std::is_same<M, uint8_t>::value ? T(1) : T(0); }
+
+/* ---- L x L transpose in registers --------------------------------------------------------------
+ *
+ * Round h (h = 1, 2, ..., L/2) swaps, in every 2h x 2h block, the upper-right and lower-left h x h
+ * blocks: rows i and i + h (bit h of i clear) exchange their lanes l with bit h set / clear.  After
+ * all rounds x[t][u] holds the old x[u][t]. */
+template <int L, int H, int I> constexpr int swap_upper() { return (I & H) ? L + I - H : I; }
+template <int L, int H, int I> constexpr int swap_lower() { return (I & H) ? L + I : I + H; }
+
+template <typename V, int L, int H, int... I>
+static inline void swap_blocks(V* x, std::integer_sequence<int, I...>) {
+    for (int i = 0; i < L; ++i) {
+        if (i & H) continue;
+        const V upper = __builtin_shufflevector(x[i], x[i + H], swap_upper<L, H, I>()...);
+        const V lower = __builtin_shufflevector(x[i], x[i + H], swap_lower<L, H, I>()...);
+        x[i] = upper;
+        x[i + H] = lower;
+    }
+}
+
+template <typename V, int L, int H> struct TransposeRounds {
+    static inline void run(V* x) {
+        swap_blocks<V, L, H>(x, std::make_integer_sequence<int, L>{});
+        TransposeRounds<V, L, H * 2>::run(x);
+    }
+};
+template <typename V, int L> struct TransposeRounds<V, L, L> {
+    static inline void run(V*) {}
+};
+
+template <typename T> static inline void transpose_lanes(typename Vec<T>::type* x) {
+    TransposeRounds<typename Vec<T>::type, Vec<T>::lanes, 1>::run(x);
+}
+
+/* ---- the transposed layout S[j][rows] ---------------------------------------------------------- */
+
+/* A tile's rows in order (row r is head kvh * G + r / qn, query q0 + r % qn) and the offset of
+ * each one's mask row (key 0), stepped without a division per row. */
+struct MaskRows {
+    int64_t offset, query, qn, query_step, head_step;
+    MaskRows(const FwdParams& p, int64_t b, int64_t kvh, int64_t q0, int64_t qn_, int64_t r)
+        : query(r % qn_), qn(qn_), query_step(p.mask_stride[2]), head_step(p.mask_stride[1]) {
+        offset = b * p.mask_stride[0] + (kvh * p.group + r / qn) * head_step + (q0 + query) * query_step;
+    }
+    void next() {
+        if (++query == qn) {
+            query = 0;
+            offset += head_step - (qn - 1) * query_step;
+        } else {
+            offset += query_step;
+        }
+    }
+};
+
+/* Whether every row of the tile reads the same mask row. */
+static inline bool mask_rows_shared(const FwdParams& p) {
+    return p.mask_stride[2] == 0 && (p.mask_stride[1] == 0 || p.group == 1);
+}
+
+template <typename T, typename M>
+static void mask_transposed_as(const FwdParams& p, T* s, int64_t mp, int64_t rows, int64_t n, int64_t kt,
+                               int64_t b, int64_t kvh, int64_t q0, int64_t qn) {
+    typedef typename Vec<T>::type V;
+    constexpr int L = Vec<T>::lanes;
+    const M* mask = reinterpret_cast<const M*>(p.mask);
+    const int64_t key_stride = p.mask_stride[3];
+    if (mask_rows_shared(p)) {
+        const M* row = mask + MaskRows(p, b, kvh, q0, qn, 0).offset + kt * key_stride;
+        for (int64_t j = 0; j < n; ++j) {
+            const V value = vbroadcast(mask_scalar<T>(row + j * key_stride));
+            for (int64_t r = 0; r < mp; r += L) vstore(s + j * mp + r, masked<T, M>(vload<V>(s + j * mp + r), value));
+        }
+        return;
+    }
+    MaskRows cursor(p, b, kvh, q0, qn, 0);
+    for (int64_t r0 = 0; r0 < mp; r0 += L) {
+        const M* row[L];
+        for (int u = 0; u < L; ++u, cursor.next())
+            row[u] = r0 + u < rows ? mask + cursor.offset + kt * key_stride : nullptr;
+        int64_t j0 = 0;
+        /* The usual block: L queries of one head, rows query_stride apart (one pointer stepped). */
+        const bool one_head = r0 + L <= rows && r0 / qn == (r0 + L - 1) / qn;
+        if (key_stride == 1 && one_head) {
+            const int64_t query_stride = p.mask_stride[2];
+            for (; j0 + L <= n; j0 += L) {
+                V block[L];
+                const M* m = row[0] + j0;
+                for (int u = 0; u < L; ++u, m += query_stride) block[u] = mask_vector<T>(m);
+                transpose_lanes<T>(block);
+                for (int t = 0; t < L; ++t) {
+                    T* scores = s + (j0 + t) * mp + r0;
+                    vstore(scores, masked<T, M>(vload<V>(scores), block[t]));
+                }
+            }
+        } else if (key_stride == 1) {
+            for (; j0 + L <= n; j0 += L) {
+                V block[L];
+                for (int u = 0; u < L; ++u)
+                    block[u] = row[u] ? mask_vector<T>(row[u] + j0) : vbroadcast(neutral_mask<T, M>());
+                transpose_lanes<T>(block);
+                for (int t = 0; t < L; ++t) {
+                    T* scores = s + (j0 + t) * mp + r0;
+                    vstore(scores, masked<T, M>(vload<V>(scores), block[t]));
+                }
+            }
+        }
+        for (int64_t j = j0; j < n; ++j) {
+            V column;
+            for (int u = 0; u < L; ++u)
+                column[u] = row[u] ? mask_scalar<T>(row[u] + j * key_stride) : neutral_mask<T, M>();
+            T* scores = s + j * mp + r0;
+            vstore(scores, masked<T, M>(vload<V>(scores), column));
+        }
+    }
+}
+
+/* Apply the mask to a transposed score tile S[j][rows] (n keys from kt; row r is head
+ * kvh * G + r / qn, query q0 + r % qn; mp padded rows, a multiple of L). */
+template <typename T>
+static void mask_transposed(const FwdParams& p, T* s, int64_t mp, int64_t rows, int64_t n, int64_t kt, int64_t b,
+                            int64_t kvh, int64_t q0, int64_t qn) {
+    switch (p.mask_kind) {
+        case MASK_BOOL: mask_transposed_as<T, uint8_t>(p, s, mp, rows, n, kt, b, kvh, q0, qn); break;
+        case MASK_FLOAT32: mask_transposed_as<T, float>(p, s, mp, rows, n, kt, b, kvh, q0, qn); break;
+        case MASK_FLOAT64: mask_transposed_as<T, double>(p, s, mp, rows, n, kt, b, kvh, q0, qn); break;
+        case MASK_FLOAT16: mask_transposed_as<T, half_bits>(p, s, mp, rows, n, kt, b, kvh, q0, qn); break;
+        case MASK_BFLOAT16: mask_transposed_as<T, bfloat16_bits>(p, s, mp, rows, n, kt, b, kvh, q0, qn); break;
+        default: break;
+    }
+}
+
+/* ---- the row-major layout S[r][j] --------------------------------------------------------------- */
+
+template <typename T, typename M>
+static void mask_rows_as(const FwdParams& p, T* s, int64_t row_stride, const int64_t* head, const int64_t* query,
+                         int rows, int64_t n, int64_t kt, int64_t b) {
+    typedef typename Vec<T>::type V;
+    constexpr int L = Vec<T>::lanes;
+    const M* mask = reinterpret_cast<const M*>(p.mask);
+    const int64_t key_stride = p.mask_stride[3];
+    for (int r = 0; r < rows; ++r) {
+        const M* row = mask + b * p.mask_stride[0] + head[r] * p.mask_stride[1] + query[r] * p.mask_stride[2] +
+                       kt * key_stride;
+        T* scores = s + r * row_stride;
+        int64_t j = 0;
+        if (key_stride == 1)
+            for (; j + L <= n; j += L) vstore(scores + j, masked<T, M>(vload<V>(scores + j), mask_vector<T>(row + j)));
+        for (; j < n; ++j) {
+            const T value = mask_scalar<T>(row + j * key_stride);
+            if constexpr (std::is_same<M, uint8_t>::value) {
+                if (value == T(0)) scores[j] = -std::numeric_limits<T>::infinity();
+            } else {
+                scores[j] += value;
+            }
+        }
+    }
+}
+
+/* Apply the mask to a row-major score tile S[r][j] (row r is head[r], query[r]; n keys from kt). */
+template <typename T>
+static void mask_rows(const FwdParams& p, T* s, int64_t row_stride, const int64_t* head, const int64_t* query,
+                      int rows, int64_t n, int64_t kt, int64_t b) {
+    switch (p.mask_kind) {
+        case MASK_BOOL: mask_rows_as<T, uint8_t>(p, s, row_stride, head, query, rows, n, kt, b); break;
+        case MASK_FLOAT32: mask_rows_as<T, float>(p, s, row_stride, head, query, rows, n, kt, b); break;
+        case MASK_FLOAT64: mask_rows_as<T, double>(p, s, row_stride, head, query, rows, n, kt, b); break;
+        case MASK_FLOAT16: mask_rows_as<T, half_bits>(p, s, row_stride, head, query, rows, n, kt, b); break;
+        case MASK_BFLOAT16: mask_rows_as<T, bfloat16_bits>(p, s, row_stride, head, query, rows, n, kt, b); break;
+        default: break;
+    }
+}
+
+/* ---- prefetch -------------------------------------------------------------------------------------- */
+
+static inline int64_t mask_element_bytes(int kind) {
+    switch (kind) {
+        case MASK_BOOL: return 1;
+        case MASK_FLOAT32: return 4;
+        case MASK_FLOAT64: return 8;
+        default: return 2;
+    }
+}
+
+/* Ask for the mask rows of the tile of keys kt..kt+n-1 while the current tile computes: a full mask
+ * is as many streams as the tile has rows (each row's keys a few cache lines, rows Sk elements
+ * apart), more than the hardware prefetchers follow. */
+static inline void prefetch_mask_tile(const FwdParams& p, int64_t b, int64_t kvh, int64_t q0, int64_t qn, int64_t kt,
+                                      int64_t n) {
+    const int64_t bytes = mask_element_bytes(p.mask_kind), key_stride = p.mask_stride[3];
+    if (key_stride != 1) return;
+    const int64_t rows = mask_rows_shared(p) ? 1 : p.group * qn;
+    MaskRows cursor(p, b, kvh, q0, qn, 0);
+    for (int64_t r = 0; r < rows; ++r, cursor.next()) {
+        const char* first = p.mask + (cursor.offset + kt) * bytes;
+        for (int64_t offset = 0; offset < n * bytes; offset += 64) __builtin_prefetch(first + offset, 0, 2);
+        __builtin_prefetch(first + n * bytes - 1, 0, 2);
+    }
+}
+
+/* ---- tiles the mask hides entirely ------------------------------------------------------------- */
+
+/* Whether a bool mask hides every key kt..kt+n-1 from every row of the tile (rows G x qn queries
+ * from q0, kv head kvh): then the tile need not be computed.  Stops at the first visible key, so a
+ * mask that hides keys here and there costs one byte per tile.  Float masks are never skipped:
+ * a -inf entry added to a NaN score is NaN, which must reach the row (the contract's arithmetic). */
+static inline bool mask_hides_tile(const FwdParams& p, int64_t b, int64_t kvh, int64_t q0, int64_t qn, int64_t kt,
+                                   int64_t n) {
+    if (p.mask_kind != MASK_BOOL) return false;
+    const uint8_t* mask = reinterpret_cast<const uint8_t*>(p.mask);
+    const int64_t key_stride = p.mask_stride[3];
+    const int64_t rows = mask_rows_shared(p) ? 1 : p.group * qn;
+    MaskRows cursor(p, b, kvh, q0, qn, 0);
+    for (int64_t r = 0; r < rows; ++r, cursor.next()) {
+        const uint8_t* row = mask + cursor.offset + kt * key_stride;
+        for (int64_t j = 0; j < n; ++j)
+            if (row[j * key_stride] != 0) return false;
+    }
+    return true;
+}
+
+}  // namespace FASTATTN_ISA_NAMESPACE
+}  // namespace fastattn
+
+#endif
