@@ -401,10 +401,6 @@ static void forward_block_amx(const FwdParams& p, char* scratch, int64_t b, int6
         if (p.mask_kind != MASK_NONE && mask_hides_tile(p, b, kvh, q0, qn, kt, n)) continue;
         const uint16_t* k = at<uint16_t>(p.k, b * p.k_stride[0] + kvh * p.k_stride[1] + kt * p.k_stride[2]);
         const uint16_t* v = at<uint16_t>(p.v, b * p.v_stride[0] + kvh * p.v_stride[1] + kt * p.v_stride[2]);
-        if (kt + N < hi) {
-            prefetch_kv<bfloat16_bits>(p, b, kvh, kt + N, std::min(N, hi - kt - N));
-            if (p.mask_kind != MASK_NONE) prefetch_mask_tile(p, b, kvh, q0, qn, kt + N, std::min(N, hi - kt - N));
-        }
 
         tile_scores(k, p.k_stride[2], n, buffers.qb, D, s, mp, buffers.k_block);
         if (scale_first) {

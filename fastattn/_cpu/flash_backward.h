@@ -268,11 +268,7 @@ static void gradient_block(const BwdParams& bp, T* scratch, int64_t b, int64_t k
             /* Whole query blocks (pass 3's), so rows of a block outside [i_lo, i_hi) get P = dS = 0. */
             for (int64_t qb = std::max<int64_t>(i_lo, 0) / BQ; qb * BQ < i_hi; ++qb) {
                 const int64_t q0 = qb * BQ, qn = std::min(BQ, p.seq_q - q0);
-                if (p.mask_kind != MASK_NONE) {
-                    if (mask_hides_tile(p, b, kvh, q0, qn, k0, live)) continue;
-                    if ((qb + 1) * BQ < std::min(i_hi, p.seq_q))
-                        prefetch_mask_tile(p, b, kvh, q0 + BQ, std::min(BQ, p.seq_q - q0 - BQ), k0, live);
-                }
+                if (p.mask_kind != MASK_NONE && mask_hides_tile(p, b, kvh, q0, qn, k0, live)) continue;
                 pack.fill(bp, b, kvh, q0, qn);
                 const int64_t mp = pack.mp;
                 tile_gradients<T, In, NV>(p, tile, t, live, k0, b, kvh, q0, qn);

@@ -268,33 +268,6 @@ static void mask_rows(const FwdParams& p, T* s, int64_t row_stride, const int64_
     }
 }
 
-/* ---- prefetch -------------------------------------------------------------------------------------- */
-
-static inline int64_t mask_element_bytes(int kind) {
-    switch (kind) {
-        case MASK_BOOL: return 1;
-        case MASK_FLOAT32: return 4;
-        case MASK_FLOAT64: return 8;
-        default: return 2;
-    }
-}
-
-/* Ask for the mask rows of the tile of keys kt..kt+n-1 while the current tile computes: a full mask
- * is as many streams as the tile has rows (each row's keys a few cache lines, rows Sk elements
- * apart), more than the hardware prefetchers follow. */
-static inline void prefetch_mask_tile(const FwdParams& p, int64_t b, int64_t kvh, int64_t q0, int64_t qn, int64_t kt,
-                                      int64_t n) {
-    const int64_t bytes = mask_element_bytes(p.mask_kind), key_stride = p.mask_stride[3];
-    if (key_stride != 1) return;
-    const int64_t rows = mask_rows_shared(p) ? 1 : p.group * qn;
-    MaskRows cursor(p, b, kvh, q0, qn, 0);
-    for (int64_t r = 0; r < rows; ++r, cursor.next()) {
-        const char* first = p.mask + (cursor.offset + kt) * bytes;
-        for (int64_t offset = 0; offset < n * bytes; offset += 64) __builtin_prefetch(first + offset, 0, 2);
-        __builtin_prefetch(first + n * bytes - 1, 0, 2);
-    }
-}
-
 /* ---- tiles the mask hides entirely ------------------------------------------------------------- */
 
 /* Whether a bool mask hides every key kt..kt+n-1 from every row of the tile (rows G x qn queries
