@@ -491,8 +491,8 @@ constexpr int kDotMaxRows = 8;
  * at s + r * s_stride), the R x CB output vectors in registers while the n value rows stream past
  * once.  Skip leaves out weights that are exactly 0 (the rerun after a non-finite output,
  * note_stored): a test per weight, which the usual pass does not pay. */
-template <typename T, int R, int CB, bool Skip>
-static inline void accumulate_pv(T* o, int64_t o_stride, const T* s, int64_t s_stride, const T* v, int64_t v_stride,
+template <typename T, typename In, int R, int CB, bool Skip>
+static inline void accumulate_pv(T* o, int64_t o_stride, const T* s, int64_t s_stride, const In* v, int64_t v_stride,
                                  int64_t n) {
     typedef typename Vec<T>::type V;
     constexpr int L = Vec<T>::lanes;
@@ -500,9 +500,9 @@ static inline void accumulate_pv(T* o, int64_t o_stride, const T* s, int64_t s_s
     for (int r = 0; r < R; ++r)
         for (int cb = 0; cb < CB; ++cb) acc[r][cb] = vload<V>(o + r * o_stride + cb * L);
     for (int64_t j = 0; j < n; ++j) {
-        const T* value = v + j * v_stride;
+        const In* value = v + j * v_stride;
         V vv[CB];
-        for (int cb = 0; cb < CB; ++cb) vv[cb] = vload<V>(value + cb * L);
+        for (int cb = 0; cb < CB; ++cb) vv[cb] = load_vector<T>(value + cb * L);
         for (int r = 0; r < R; ++r) {
             const T w = s[r * s_stride + j];
             if (Skip && w == T(0)) continue;
@@ -527,8 +527,7 @@ static void forward_block_dot(const FwdParams& p, T* scratch, int64_t b, int64_t
     T* q = scratch;               /* [R][D], scaled */
     T* s = q + R * D;             /* [R][N] */
     T* o = s + R * N;             /* [R][Dv] */
-    T* k_converted = o + R * Dv;  /* [N][D] */
-    T* v_converted = k_converted + N * D;
+    T* k_block = o + R * Dv;      /* [L][D]: a block of half-precision K rows, converted */
     T row_max[R], row_sum[R], position[R];
     int64_t head[R], query[R];
 
@@ -552,27 +551,36 @@ static void forward_block_dot(const FwdParams& p, T* scratch, int64_t b, int64_t
     for (int64_t kt = lo; kt < hi; kt += N) {
         const int64_t n = std::min(N, hi - kt);
         if (p.mask_kind != MASK_NONE && mask_hides_tile(p, b, kvh, q0, qn, kt, n)) continue;
-        KvTile<T, In> tile;
-        tile.load(p, b, kvh, kt, n, k_converted, v_converted);
-        if constexpr (std::is_same<In, T>::value)
-            if (kt + N < hi) prefetch_kv<In>(p, b, kvh, kt + N, std::min(N, hi - kt - N));
+        /* K and V are read where they are; half-precision rows are converted as they are used
+         * (V in registers; K a block of L rows at a time into L1 scratch, as every row reads it). */
+        const In* k_rows = at<In>(p.k, b * p.k_stride[0] + kvh * p.k_stride[1] + kt * p.k_stride[2]);
+        const In* v_rows = at<In>(p.v, b * p.v_stride[0] + kvh * p.v_stride[1] + kt * p.v_stride[2]);
+        const int64_t k_row_stride = p.k_stride[2], v_row_stride = p.v_stride[2];
+        if (kt + N < hi) prefetch_kv<In>(p, b, kvh, kt + N, std::min(N, hi - kt - N));
 
         /* Scores: dot products along D.  Full blocks of L keys keep L accumulators per row and
          * reduce them together (reduce_lanes); the rest take one horizontal sum per score. */
-        const T* k_rows = tile.k;
-        const T* v_rows = tile.v;
-        const int64_t k_row_stride = tile.k_stride, v_row_stride = tile.v_stride;
         int64_t j_done = 0;
         if (d_main == D) {
             const int* lane_key = reduced_lane_key<T>();
             for (; j_done + L <= n; j_done += L) {
-                const T* keys = k_rows + j_done * k_row_stride;
+                const T* keys;
+                int64_t key_stride;
+                if constexpr (std::is_same<In, T>::value) {
+                    keys = k_rows + j_done * k_row_stride;
+                    key_stride = k_row_stride;
+                } else {
+                    for (int jj = 0; jj < L; ++jj)
+                        convert_row(k_rows + (j_done + jj) * k_row_stride, k_block + jj * D, D);
+                    keys = k_block;
+                    key_stride = D;
+                }
                 for (int r = 0; r < R; ++r) {
                     V acc[L];
                     for (int jj = 0; jj < L; ++jj) acc[jj] = V{};
                     for (int64_t d = 0; d < D; d += L) {
                         const V qv = vload<V>(q + r * D + d);
-                        for (int jj = 0; jj < L; ++jj) acc[jj] += vload<V>(keys + jj * k_row_stride + d) * qv;
+                        for (int jj = 0; jj < L; ++jj) acc[jj] += vload<V>(keys + jj * key_stride + d) * qv;
                     }
                     const V sums = reduce_lanes<T>(acc);
                     for (int lane = 0; lane < L; ++lane) s[r * N + j_done + lane_key[lane]] = sums[lane];
@@ -580,16 +588,16 @@ static void forward_block_dot(const FwdParams& p, T* scratch, int64_t b, int64_t
             }
         }
         for (int64_t j = j_done; j < n; ++j) {
-            const T* key = k_rows + j * k_row_stride;
+            const In* key = k_rows + j * k_row_stride;
             V acc[R];
             for (int r = 0; r < R; ++r) acc[r] = V{};
             for (int64_t d = 0; d < d_main; d += L) {
-                const V kv = vload<V>(key + d);
+                const V kv = load_vector<T>(key + d);
                 for (int r = 0; r < R; ++r) acc[r] += kv * vload<V>(q + r * D + d);
             }
             for (int r = 0; r < R; ++r) {
                 T total = vsum<T>(acc[r]);
-                for (int64_t d = d_main; d < D; ++d) total += key[d] * q[r * D + d];
+                for (int64_t d = d_main; d < D; ++d) total += load_as<T>(key[d]) * q[r * D + d];
                 s[r * N + j] = total;
             }
         }
@@ -647,15 +655,15 @@ static void forward_block_dot(const FwdParams& p, T* scratch, int64_t b, int64_t
         /* O[r][:] += P[r][j] V[j][:], CB vectors of each row's O in registers. */
         for (int64_t c = 0; c < dv_main; c += CB * L) {
             if (skip)
-                accumulate_pv<T, R, CB, true>(o + c, Dv, s, N, v_rows + c, v_row_stride, n);
+                accumulate_pv<T, In, R, CB, true>(o + c, Dv, s, N, v_rows + c, v_row_stride, n);
             else
-                accumulate_pv<T, R, CB, false>(o + c, Dv, s, N, v_rows + c, v_row_stride, n);
+                accumulate_pv<T, In, R, CB, false>(o + c, Dv, s, N, v_rows + c, v_row_stride, n);
         }
         for (int64_t j = 0; j < n; ++j) {
-            const T* value = v_rows + j * v_row_stride;
+            const In* value = v_rows + j * v_row_stride;
             for (int r = 0; r < R; ++r) {
                 if (skip && s[r * N + j] == T(0)) continue;
-                for (int64_t c = dv_main; c < Dv; ++c) o[r * Dv + c] += s[r * N + j] * value[c];
+                for (int64_t c = dv_main; c < Dv; ++c) o[r * Dv + c] += s[r * N + j] * load_as<T>(value[c]);
             }
         }
     }

@@ -78,9 +78,7 @@ template <typename T, typename M> static inline typename Vec<T>::type mask_vecto
         typedef M Stored __attribute__((vector_size(sizeof(M) * L)));
         return __builtin_convertvector(vload<Stored>(m), V);
     } else {
-        T converted[L];
-        convert_row<T, M>(m, converted, L);
-        return vload<V>(converted);
+        return load_vector<T>(m);
     }
 }
 

@@ -329,20 +329,48 @@ template <> struct Store<bfloat16_bits> { static inline bfloat16_bits from(float
 template <typename T, typename In> static inline T load_as(In x) { return (T)to_float(x); }
 template <> inline double load_as<double, double>(double x) { return x; }
 
-/* `count` elements of src into dst in the compute type T.  float16 rows convert 16 (AVX-512) or 8
- * (F16C) at a time, exactly (every float16 is a float); bfloat16's shift into the high half the
- * compiler vectorises; the rest, and other targets, one element at a time. */
+/* L consecutive stored elements as one vector of T, converted in registers: bfloat16's bits are a
+ * float's high half (a widening and a shift); float16 through AVX-512's or F16C's conversion where
+ * the level has one, else one element at a time. */
+template <typename T, typename In> static inline typename Vec<T>::type load_vector(const In* src) {
+    typedef typename Vec<T>::type V;
+    constexpr int L = Vec<T>::lanes;
+    constexpr bool to_float = std::is_same<T, float>::value;
+    if constexpr (std::is_same<T, In>::value) {
+        return vload<V>(src);
+    } else if constexpr (to_float && std::is_same<In, bfloat16_bits>::value) {
+#if defined(__AVX512F__)
+        return (V)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src))), 16);
+#elif defined(__AVX2__)
+        return (V)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))), 16);
+#else
+        typedef uint16_t Halves __attribute__((vector_size(2 * L)));
+        typedef uint32_t Words __attribute__((vector_size(4 * L)));
+        return (V)(__builtin_convertvector(vload<Halves>(src), Words) << 16);
+#endif
+#if defined(__AVX512F__) || defined(__F16C__)
+    } else if constexpr (to_float && std::is_same<In, half_bits>::value) {
+#if defined(__AVX512F__)
+        return (V)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
+#else
+        return (V)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+#endif
+#endif
+    } else {
+        T converted[L];
+        for (int i = 0; i < L; ++i) converted[i] = load_as<T>(src[i]);
+        return vload<V>(converted);
+    }
+}
+
+/* `count` elements of src into dst in the compute type T: L at a time through load_vector where the
+ * level converts in registers (AVX-512, AVX2 with F16C), the rest one element at a time. */
 template <typename T, typename In> static inline void convert_row(const In* src, T* dst, int64_t count) {
     int64_t i = 0;
-    if constexpr (std::is_same<T, float>::value && std::is_same<In, half_bits>::value) {
-#if defined(__AVX512F__)
-        for (; i + 16 <= count; i += 16)
-            _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))));
-#elif defined(__F16C__)
-        for (; i + 8 <= count; i += 8)
-            _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__F16C__))
+    if constexpr (!std::is_same<T, In>::value)
+        for (; i + Vec<T>::lanes <= count; i += Vec<T>::lanes) vstore(dst + i, load_vector<T>(src + i));
 #endif
-    }
     for (; i < count; ++i) dst[i] = load_as<T>(src[i]);
 }
 
