@@ -92,6 +92,42 @@ template <typename T> static size_t scratch_elements(const FwdParams& p) {
                     4 * lanes<T>());
 }
 
+/* The K and V rows of a tile, handed to the prefetcher a few cache lines per call, so that the
+ * prefetches of the next tile interleave with the current tile's arithmetic.  Issued in one burst
+ * they stall the core once the line fill buffers are full (the decode profile showed most of its
+ * time on that burst): memory and arithmetic then take turns instead of overlapping. */
+template <typename In> struct SpreadPrefetch {
+    const char* k;
+    const char* v;
+    int64_t k_stride, v_stride, k_lines, v_lines, keys;
+    int64_t key = 0, line = 0;
+
+    SpreadPrefetch(const FwdParams& p, int64_t b, int64_t kvh, int64_t kt, int64_t n)
+        : k(p.k + (b * p.k_stride[0] + kvh * p.k_stride[1] + kt * p.k_stride[2]) * (int64_t)sizeof(In)),
+          v(p.v + (b * p.v_stride[0] + kvh * p.v_stride[1] + kt * p.v_stride[2]) * (int64_t)sizeof(In)),
+          k_stride(p.k_stride[2] * (int64_t)sizeof(In)),
+          v_stride(p.v_stride[2] * (int64_t)sizeof(In)),
+          k_lines((p.head_dim * (int64_t)sizeof(In) + 63) / 64),
+          v_lines((p.head_dim_v * (int64_t)sizeof(In) + 63) / 64),
+          keys(n) {}
+
+    int64_t total_lines() const { return keys * (k_lines + v_lines); }
+
+    /* The next `count` lines (K row, then V row, key after key); nothing once all are asked for. */
+    __attribute__((always_inline)) inline void issue(int64_t count) {
+        for (; count > 0 && key < keys; --count) {
+            if (line < k_lines)
+                __builtin_prefetch(k + key * k_stride + line * 64);
+            else
+                __builtin_prefetch(v + key * v_stride + (line - k_lines) * 64);
+            if (++line == k_lines + v_lines) {
+                line = 0;
+                ++key;
+            }
+        }
+    }
+};
+
 /* ---- micro-kernels ------------------------------------------------------------------------- */
 
 /* S[m][rows] = sum_d K[m][d] * Qp[d][rows] for MR keys and NV vectors of rows. */
@@ -146,8 +182,17 @@ template <typename T, int NV, int MR = kMainMR> struct Blocked {
         qk_kernel<T, R, NV>(k, ks, qp, depth, s, mp);
     }
     static void qk_all(int64_t count, const T* k, int64_t ks, const T* qp, int64_t depth, T* s, int64_t mp) {
+        qk_all(count, k, ks, qp, depth, s, mp, [] {});
+    }
+    /* between() runs before each full block of MR keys (the decode's spread prefetch). */
+    template <typename Between>
+    static void qk_all(int64_t count, const T* k, int64_t ks, const T* qp, int64_t depth, T* s, int64_t mp,
+                       Between&& between) {
         int64_t j = 0;
-        for (; j + MR <= count; j += MR) qk<MR>(k + j * ks, ks, qp, depth, s + j * mp, mp);
+        for (; j + MR <= count; j += MR) {
+            between();
+            qk<MR>(k + j * ks, ks, qp, depth, s + j * mp, mp);
+        }
         switch (count - j) {
 #define FASTATTN_QK_CASE(R) \
     case R:                 \
@@ -309,60 +354,6 @@ template <typename T, typename In> struct KvTile {
     }
 };
 
-/* Ask for the K and V rows [kt, kt + n) ahead of use: streaming them is what bounds decode.
- * Only for K/V read in place (float32, float64): for converted tiles the conversion streams the
- * rows and the hardware prefetchers follow it (on the Xeon of issue #23, prefetching bfloat16 rows
- * too made the C6 decode 16% slower; float32's was 4% faster).  Always inlined: GCC 12 finds a
- * function whose only statements are prefetches free of side effects and deletes its calls. */
-template <typename In>
-__attribute__((always_inline)) static inline void prefetch_kv(const FwdParams& p, int64_t b, int64_t kvh, int64_t kt,
-                                                              int64_t n) {
-    const int64_t k_bytes = p.head_dim * (int64_t)sizeof(In), v_bytes = p.head_dim_v * (int64_t)sizeof(In);
-    const In* k_first = at<In>(p.k, b * p.k_stride[0] + kvh * p.k_stride[1] + kt * p.k_stride[2]);
-    const In* v_first = at<In>(p.v, b * p.v_stride[0] + kvh * p.v_stride[1] + kt * p.v_stride[2]);
-    for (int64_t j = 0; j < n; ++j) {
-        const char* k_row = reinterpret_cast<const char*>(k_first + j * p.k_stride[2]);
-        const char* v_row = reinterpret_cast<const char*>(v_first + j * p.v_stride[2]);
-        for (int64_t byte = 0; byte < k_bytes; byte += 64) __builtin_prefetch(k_row + byte);
-        for (int64_t byte = 0; byte < v_bytes; byte += 64) __builtin_prefetch(v_row + byte);
-    }
-}
-
-/* The K and V rows of a tile, handed to the prefetcher a few cache lines per call, so that the
- * prefetches of the next tile interleave with the current tile's arithmetic.  Issued in one burst
- * they stall the core once the line fill buffers are full (the decode profile showed most of its
- * time on that burst): memory and arithmetic then take turns instead of overlapping. */
-template <typename In> struct SpreadPrefetch {
-    const char* k;
-    const char* v;
-    int64_t k_stride, v_stride, k_lines, v_lines, keys;
-    int64_t key = 0, line = 0;
-
-    SpreadPrefetch(const FwdParams& p, int64_t b, int64_t kvh, int64_t kt, int64_t n)
-        : k(reinterpret_cast<const char*>(at<In>(p.k, b * p.k_stride[0] + kvh * p.k_stride[1] + kt * p.k_stride[2]))),
-          v(reinterpret_cast<const char*>(at<In>(p.v, b * p.v_stride[0] + kvh * p.v_stride[1] + kt * p.v_stride[2]))),
-          k_stride(p.k_stride[2] * (int64_t)sizeof(In)),
-          v_stride(p.v_stride[2] * (int64_t)sizeof(In)),
-          k_lines((p.head_dim * (int64_t)sizeof(In) + 63) / 64),
-          v_lines((p.head_dim_v * (int64_t)sizeof(In) + 63) / 64),
-          keys(n) {}
-
-    int64_t total_lines() const { return keys * (k_lines + v_lines); }
-
-    /* The next `count` lines (K row, then V row, key after key); nothing once all are asked for. */
-    __attribute__((always_inline)) inline void issue(int64_t count) {
-        for (; count > 0 && key < keys; --count) {
-            if (line < k_lines)
-                __builtin_prefetch(k + key * k_stride + line * 64);
-            else
-                __builtin_prefetch(v + key * v_stride + (line - k_lines) * 64);
-            if (++line == k_lines + v_lines) {
-                line = 0;
-                ++key;
-            }
-        }
-    }
-};
 
 /* Normalise one query row's accumulator (column c at acc[c * acc_stride]) and write it: to the
  * partial buffers of a key split (row r), or to out and lse.  A row that saw no key gets 0 and
@@ -490,12 +481,14 @@ static void forward_block(const FwdParams& p, T* scratch, int64_t b, int64_t kvh
         if (p.mask_kind != MASK_NONE && mask_hides_tile(p, b, kvh, q0, qn, kt, n)) continue;
         KvTile<T, In> tile;
         tile.load(p, b, kvh, kt, n, k_converted, v_converted);
-        if constexpr (std::is_same<In, T>::value)
-            if (kt + N < hi) prefetch_kv<In>(p, b, kvh, kt + N, std::min(N, hi - kt - N));
 
-        /* S[j][rows] = K Qp^T (scale already in Qp). */
+        /* S[j][rows] = K Qp^T (scale already in Qp), the next tile's rows prefetched on the way. */
+        SpreadPrefetch<In> ahead(p, b, kvh, kt + N, kt + N < hi ? std::min(N, hi - kt - N) : 0);
+        const int64_t calls = std::max<int64_t>(1, mp / RB * (n / kMainMR));
+        const int64_t lines_per_call = (ahead.total_lines() + calls - 1) / calls;
         for (int64_t rb = 0; rb < mp; rb += RB)
-            Blocked<T, NV>::qk_all(n, tile.k, tile.k_stride, qp + rb * D, D, s + rb, mp);
+            Blocked<T, NV>::qk_all(n, tile.k, tile.k_stride, qp + rb * D, D, s + rb, mp,
+                                   [&] { ahead.issue(lines_per_call); });
 
         finish_scores<T>(p, s, nullptr, mp, rows, n, kt, b, kvh, q0, qn, position);
 
