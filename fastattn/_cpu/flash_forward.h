@@ -14,7 +14,8 @@
  * and every per-row quantity of the online softmax (running max m, running sum l, rescale factor
  * alpha, causal/window positions) is a plain vector over rows: no horizontal reductions anywhere.
  * K and V are read in place from the caller's memory (any strides, contiguous last axis) when the
- * input is the compute type; float16/bfloat16 tiles are converted into scratch first.
+ * input is the compute type; float16/bfloat16 tiles are converted into scratch first (the decode
+ * path, forward_block_dot, converts them as it reads them: load_vector).
  *
  * Tile sizes: RB = 2 vectors of rows (32 floats with AVX-512, 16 with AVX2), 1 vector when the
  * tile has that few rows (decode); MR = 8 (AVX-512, 32 registers: 16 accumulators) or 6 (AVX2,
