@@ -185,7 +185,7 @@ template <typename T, int NV, int MR = kMainMR> struct Blocked {
     static void qk_all(int64_t count, const T* k, int64_t ks, const T* qp, int64_t depth, T* s, int64_t mp) {
         qk_all(count, k, ks, qp, depth, s, mp, [] {});
     }
-    /* between() runs before each full block of MR keys (the decode's spread prefetch). */
+    /* between() runs before each full block of MR keys (forward_block's spread prefetch). */
     template <typename Between>
     static void qk_all(int64_t count, const T* k, int64_t ks, const T* qp, int64_t depth, T* s, int64_t mp,
                        Between&& between) {
@@ -354,7 +354,6 @@ template <typename T, typename In> struct KvTile {
         }
     }
 };
-
 
 /* Normalise one query row's accumulator (column c at acc[c * acc_stride]) and write it: to the
  * partial buffers of a key split (row r), or to out and lse.  A row that saw no key gets 0 and
