@@ -70,11 +70,9 @@ template <typename T> static inline typename Vec<T>::type bytes_as(const uint8_t
 template <typename T, typename M> static inline typename Vec<T>::type mask_vector(const M* m) {
     typedef typename Vec<T>::type V;
     constexpr int L = Vec<T>::lanes;
-    if constexpr (std::is_same<M, T>::value) {
-        return vload<V>(m);
-    } else if constexpr (std::is_same<M, uint8_t>::value) {
+    if constexpr (std::is_same<M, uint8_t>::value) {
         return bytes_as<T>(m);
-    } else if constexpr (std::is_arithmetic<M>::value) {
+    } else if constexpr (std::is_arithmetic<M>::value && !std::is_same<M, T>::value) {
         typedef M Stored __attribute__((vector_size(sizeof(M) * L)));
         return __builtin_convertvector(vload<Stored>(m), V);
     } else {
@@ -174,21 +172,7 @@ static void mask_transposed_as(const FwdParams& p, T* s, int64_t mp, int64_t row
         for (int u = 0; u < L; ++u, cursor.next())
             row[u] = r0 + u < rows ? mask + cursor.offset + kt * key_stride : nullptr;
         int64_t j0 = 0;
-        /* The usual block: L queries of one head, rows query_stride apart (one pointer stepped). */
-        const bool one_head = r0 + L <= rows && r0 / qn == (r0 + L - 1) / qn;
-        if (key_stride == 1 && one_head) {
-            const int64_t query_stride = p.mask_stride[2];
-            for (; j0 + L <= n; j0 += L) {
-                V block[L];
-                const M* m = row[0] + j0;
-                for (int u = 0; u < L; ++u, m += query_stride) block[u] = mask_vector<T>(m);
-                transpose_lanes<T>(block);
-                for (int t = 0; t < L; ++t) {
-                    T* scores = s + (j0 + t) * mp + r0;
-                    vstore(scores, masked<T, M>(vload<V>(scores), block[t]));
-                }
-            }
-        } else if (key_stride == 1) {
+        if (key_stride == 1) {
             for (; j0 + L <= n; j0 += L) {
                 V block[L];
                 for (int u = 0; u < L; ++u)
