@@ -18,7 +18,7 @@ from fastattn._cpu import isa
 from fastattn.backends import cpu as cpu_backend
 
 from .conformance import _oracle
-from .conformance._cases import Case
+from .conformance._cases import BACKWARD_TOLERANCE, Case, relative_error
 from .conformance.test_forward import check_forward
 
 pytestmark = pytest.mark.skipif(
@@ -193,6 +193,59 @@ def test_planner_picks_amx_tiles_by_the_kernels_rule(
     problem = fastattn.explain(q, k, v).problem
     amx_tiles = (cpu_backend.AMX_TILE_ROWS, cpu_backend.AMX_KEY_TILE)
     assert (cpu_backend.tile_sizes(problem, 2) == amx_tiles) == (expected and isa.active() == "amx")
+
+
+AMX_BACKWARD_CASES = {
+    "plain": {},
+    "causal-bool-mask-lengths": {"causal": "bottom_right", "mask": "bool", "key_lengths": True},
+    "window-float-mask-softcap": {"window": (90, 7), "mask": "float", "softcap": 6.0},
+    "dropout-value-dim-96": {"dropout_p": 0.3, "head_dim_v": 96, "causal": True},
+}
+
+
+@pytest.mark.parametrize("case", sorted(AMX_BACKWARD_CASES))
+def test_bfloat16_backward_on_amx_tiles_matches_reference(case: str) -> None:
+    """bfloat16 gradients of GQA heads over 300 keys (three key blocks, the last of 44 keys: partial
+    16- and 32-key steps) on the AMX gradient pass where the level has it, else the vector kernels:
+    within the conformance suite's bfloat16 tolerance of the float64 reference, and bit-identical
+    on one and two threads."""
+    features = dict(AMX_BACKWARD_CASES[case])
+    head_dim_v = features.pop("head_dim_v", 64)
+    rng = np.random.default_rng()
+    bf16 = ml_dtypes.bfloat16
+    q = rng.standard_normal((2, 4, 77, 64)).astype(bf16)
+    k = rng.standard_normal((2, 2, 300, 64)).astype(bf16)
+    v = rng.standard_normal((2, 2, 300, head_dim_v)).astype(bf16)
+    dout = rng.standard_normal((2, 4, 77, head_dim_v)).astype(bf16)
+    call: dict = {key: value for key, value in features.items() if key in ("causal", "window", "softcap", "dropout_p")}
+    if features.get("mask") == "bool":
+        call["mask"] = rng.random((2, 1, 77, 300)) < 0.9
+    if features.get("mask") == "float":
+        call["mask"] = rng.standard_normal((77, 300)).astype(np.float32)
+    if features.get("key_lengths"):
+        call["key_lengths"] = np.array([300, 141])
+    if "dropout_p" in call:
+        call["dropout_seed"] = int(rng.integers(2**63))
+    problem = fastattn.explain(q, k, v, **call).problem
+    assert cpu_backend.backward_plan(problem, 2).amx == (isa.active() == "amx")
+    out, lse = fastattn.attention(q, k, v, return_lse=True, backend="reference", **call)
+    before = fastattn.get_num_threads()
+    grads = {}
+    try:
+        for threads in (1, 2):
+            fastattn.set_num_threads(threads)
+            grads[threads] = fastattn.attention_backward(dout, q, k, v, out, lse, backend="cpu", **call)
+    finally:
+        fastattn.set_num_threads(before)
+    wide = [x.astype(np.float64) for x in (dout, q, k, v)]
+    out64, lse64 = fastattn.attention(*wide[1:], return_lse=True, backend="reference", **call)
+    expected = fastattn.attention_backward(*wide, out64, lse64, backend="reference", **call)
+    for name, one, two, exact in zip("qkv", grads[1], grads[2], expected):
+        assert np.array_equal(one, two, equal_nan=True), f"d{name} differs between one and two threads"
+        error = relative_error(two.astype(np.float64), exact.astype(bf16).astype(np.float64))
+        assert error <= BACKWARD_TOLERANCE["bfloat16"], f"d{name}: {error:.3g}"
+    if "key_lengths" in call:
+        assert np.all(grads[2][1][1, :, 141:] == 0) and np.all(grads[2][2][1, :, 141:] == 0)
 
 
 BACKWARD_CHUNK_CASES = {

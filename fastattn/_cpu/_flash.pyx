@@ -110,6 +110,7 @@ cdef extern from "kernel_table.h" namespace "fastattn" nogil:
         ItemFunction backward_gradients
         ItemFunction backward_dq
         bint (*forward_on_amx)(const FwdParams* params, int64_t rows) noexcept nogil
+        bint (*backward_on_amx)(const BwdParams* params) noexcept nogil
 
 cdef extern from "dispatch.h" namespace "fastattn" nogil:
     cdef struct IsaLevel:
@@ -446,6 +447,12 @@ cdef class BackwardPlan:
     def isa(self):
         """The instruction-set level whose kernels a run calls."""
         return self.kernels.name.decode("ascii")
+
+    @property
+    def amx(self):
+        """Whether the gradient pass runs on AMX tiles (bfloat16 on the amx level; a rerun that
+        must skip zero weights takes the vector kernels)."""
+        return bool(self.kernels.backward_on_amx(&self.template))
 
     def run(self, dout, q, k, v, out, lse, extras):
         """Run the flash backward.

@@ -92,27 +92,6 @@ struct AmxBuffers {
 
 /* ---- packing ------------------------------------------------------------------------------------ */
 
-/* Qb[rt][D/2][16][2]: the B tiles of S^T = K Q^T, row tile rt, 32 dims a step (16 pair-rows). */
-static void pack_queries(const FwdParams& p, int64_t b, int64_t kvh, int64_t q0, int64_t qn, int64_t mp,
-                         uint16_t* qb) {
-    const int64_t D = p.head_dim, rows = p.group * qn;
-    uint32_t* dst = reinterpret_cast<uint32_t*>(qb);
-    for (int64_t r = 0; r < mp; ++r) {
-        uint32_t* tile = dst + (r / 16) * (D / 2) * 16 + r % 16;
-        if (r >= rows) {
-            for (int64_t pair = 0; pair < D / 2; ++pair) tile[pair * 16] = 0;
-            continue;
-        }
-        const int64_t g = r / qn, i = q0 + r % qn, h = kvh * p.group + g;
-        const uint16_t* src = at<uint16_t>(p.q, b * p.q_stride[0] + h * p.q_stride[1] + i * p.q_stride[2]);
-        for (int64_t pair = 0; pair < D / 2; ++pair) {
-            uint32_t both;
-            std::memcpy(&both, src + 2 * pair, 4);
-            tile[pair * 16] = both;
-        }
-    }
-}
-
 /* Rows r[0..15] of 16 dwords become their transpose (three shuffle stages, 64 instructions). */
 static inline void transpose_16x16_dwords(__m512i r[16]) {
     __m512i a[16], c[16];
@@ -135,6 +114,56 @@ static inline void transpose_16x16_dwords(__m512i r[16]) {
         r[8 + m] = _mm512_shuffle_i32x4(even0, even1, 0xDD);
         r[12 + m] = _mm512_shuffle_i32x4(odd0, odd1, 0xDD);
     }
+}
+
+/* Out[rt][dims/2][16][2]: rows 0..mp-1 (row(r): a pointer to its `dims` bfloat16 values, or null
+ * for a zero row) as B tiles whose K dimension is the columns, in pairs: per 16 rows and 32
+ * columns, the rows' 16 dwords transposed in registers.  dims: a multiple of 32. */
+template <typename RowOf>
+static void pack_column_pairs(RowOf row, int64_t mp, int64_t dims, uint16_t* out) {
+    for (int64_t rt = 0; rt < mp / 16; ++rt) {
+        const uint16_t* src[16];
+        for (int i = 0; i < 16; ++i) src[i] = row(rt * 16 + i);
+        for (int64_t step = 0; step < dims / 32; ++step) {
+            __m512i r[16];
+            for (int i = 0; i < 16; ++i)
+                r[i] = src[i] ? _mm512_loadu_si512(src[i] + step * 32) : _mm512_setzero_si512();
+            transpose_16x16_dwords(r);
+            uint16_t* tile = out + (rt * (dims / 2) + step * 16) * 32;
+            for (int pair = 0; pair < 16; ++pair) _mm512_storeu_si512(tile + pair * 32, r[pair]);
+        }
+    }
+}
+
+/* Out[mp/2][dims][2]: rows 0..mp-1 (row(r) as for pack_column_pairs) as B tiles whose K dimension
+ * is the rows, in pairs: row i of the result interleaves rows 2i and 2i + 1. */
+template <typename RowOf>
+static void pack_row_pairs(RowOf row, int64_t mp, int64_t dims, uint16_t* out) {
+    alignas(64) static const uint16_t low_index[32] = {0, 32, 1, 33, 2,  34, 3,  35, 4,  36, 5,  37, 6,  38, 7,  39,
+                                                       8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+    const __m512i low = _mm512_load_si512(low_index), high = _mm512_add_epi16(low, _mm512_set1_epi16(16));
+    for (int64_t i = 0; i < mp / 2; ++i) {
+        const uint16_t *even = row(2 * i), *odd = row(2 * i + 1);
+        uint16_t* dst = out + i * dims * 2;
+        for (int64_t c = 0; c < dims; c += 32) {
+            const __m512i a = even ? _mm512_loadu_si512(even + c) : _mm512_setzero_si512();
+            const __m512i b = odd ? _mm512_loadu_si512(odd + c) : _mm512_setzero_si512();
+            _mm512_storeu_si512(dst + 2 * c, _mm512_permutex2var_epi16(a, low, b));
+            _mm512_storeu_si512(dst + 2 * c + 32, _mm512_permutex2var_epi16(a, high, b));
+        }
+    }
+}
+
+/* Qb[rt][D/2][16][2]: the B tiles of S^T = K Q^T, row tile rt, 32 dims a step (16 pair-rows). */
+static void pack_queries(const FwdParams& p, int64_t b, int64_t kvh, int64_t q0, int64_t qn, int64_t mp,
+                         uint16_t* qb) {
+    const int64_t rows = p.group * qn;
+    auto row = [&](int64_t r) -> const uint16_t* {
+        if (r >= rows) return nullptr;
+        const int64_t h = kvh * p.group + r / qn, i = q0 + r % qn;
+        return at<uint16_t>(p.q, b * p.q_stride[0] + h * p.q_stride[1] + i * p.q_stride[2]);
+    };
+    pack_column_pairs(row, mp, p.head_dim, qb);
 }
 
 /* Word index that interleaves the two halves of a 32-word vector: (w0, w16, w1, w17, ...). */

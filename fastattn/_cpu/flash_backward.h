@@ -171,10 +171,34 @@ template <typename T, typename In, int NV> struct BackwardTiles {
     }
 };
 
+/* P and dS of one vector of rows for one key: P = exp(S - lse) = 2^(S score_log2e - lse2) by the
+ * forward's vexp2_softmax (lse2 = lse log2(e), TilePack; score_log2e = log2(e), or scale log2(e)
+ * where S is not yet scaled), P o dropout in `kept` (what dV needs; `keep` points at this vector's
+ * multipliers or is null), dS = P (dP o dropout - delta) [* softcap'] in `grad`. */
+template <typename T>
+static inline void probability_gradient(typename Vec<T>::type score, typename Vec<T>::type dprob,
+                                        typename Vec<T>::type lse2, typename Vec<T>::type delta, T score_log2e,
+                                        const T* keep, const T* cap_grad, typename Vec<T>::type* kept,
+                                        typename Vec<T>::type* grad) {
+    typedef typename Vec<T>::type V;
+    /* A hidden key (-inf) has P = 0 even in a row whose lse is NaN. */
+    const V prob = vselect(score == vbroadcast(-std::numeric_limits<T>::infinity()), V{},
+                           vexp2_softmax(score * score_log2e - lse2));
+    *kept = prob;
+    if (keep) {
+        const V factor = vload<V>(keep);
+        dprob = vselect(factor != V{}, dprob * factor, V{});
+        *kept = prob * factor;
+    }
+    V gradient = prob * (dprob - delta);
+    if (cap_grad) gradient *= vload<V>(cap_grad);
+    /* A key of zero weight has dS = 0 exactly, even if its dP (V) is not finite. */
+    *grad = vselect(prob != V{}, gradient, V{});
+}
+
 /* S -> P and dP -> dS for one (key tile, query tile): s holds S[j][rows] on entry and P on exit
  * (P o dropout with `keep`, the dropout multipliers: what dV needs), dp holds dP on entry and
- * dS = P (dP o dropout - delta) [* softcap'] on exit.  P = exp(S - lse) = 2^(S log2(e) - lse2) by
- * the forward's vexp2_softmax, lse2 = lse log2(e) (TilePack). */
+ * dS = P (dP o dropout - delta) [* softcap'] on exit (probability_gradient). */
 template <typename T>
 static void softmax_gradient(const FwdParams& p, T* s, T* dp, const T* cap_grad, const T* keep, const T* lse2,
                              const T* delta, int64_t n, int64_t mp) {
@@ -182,22 +206,13 @@ static void softmax_gradient(const FwdParams& p, T* s, T* dp, const T* cap_grad,
     constexpr int L = Vec<T>::lanes;
     for (int64_t j = 0; j < n; ++j)
         for (int64_t r = 0; r < mp; r += L) {
-            /* A hidden key (-inf) has P = 0 even in a row whose lse is NaN. */
-            const V score = vload<V>(s + j * mp + r);
-            const V prob = vselect(score == vbroadcast(-std::numeric_limits<T>::infinity()), V{},
-                                   vexp2_softmax(score * kLog2e<T> - vload<V>(lse2 + r)));
-            V dprob = vload<V>(dp + j * mp + r);
-            if (keep) {
-                const V factor = vload<V>(keep + j * mp + r);
-                dprob = vselect(factor != V{}, dprob * factor, V{});
-                vstore(s + j * mp + r, prob * factor);
-            } else {
-                vstore(s + j * mp + r, prob);
-            }
-            V grad = prob * (dprob - vload<V>(delta + r));
-            if (p.softcap > 0) grad *= vload<V>(cap_grad + j * mp + r);
-            /* A key of zero weight has dS = 0 exactly, even if its dP (V) is not finite. */
-            vstore(dp + j * mp + r, vselect(prob != V{}, grad, V{}));
+            const int64_t e = j * mp + r;
+            V kept, grad;
+            probability_gradient<T>(vload<V>(s + e), vload<V>(dp + e), vload<V>(lse2 + r), vload<V>(delta + r),
+                                    kLog2e<T>, keep ? keep + e : nullptr, p.softcap > 0 ? cap_grad + e : nullptr,
+                                    &kept, &grad);
+            vstore(s + e, kept);
+            vstore(dp + e, grad);
         }
 }
 
@@ -240,6 +255,42 @@ static inline T* dq_partial_tile(const BwdParams& bp, int64_t chunk, int64_t b, 
     return reinterpret_cast<T*>(bp.dq_partial) + slot * p.head_dim * dq_tile_rows<T>(p);
 }
 
+/* Keys of the block at k0 (n of them) below key_lengths: the rest are padding, of zero gradient. */
+static inline int64_t live_keys(const FwdParams& p, int64_t b, int64_t k0, int64_t n) {
+    return std::min(n, (p.key_lengths ? p.key_lengths[b] : p.seq_k) - k0);
+}
+
+/* Query positions [*i_lo, *i_hi) that causal/window let see some of the keys k0..k0+live-1. */
+static inline void seeing_queries(const FwdParams& p, int64_t k0, int64_t live, int64_t* i_lo, int64_t* i_hi) {
+    const int64_t last_key = k0 + live - 1;
+    *i_lo = 0;
+    *i_hi = p.seq_q;
+    if (p.causal) *i_lo = std::max(*i_lo, k0 - p.offset);
+    if (p.window_right >= 0) *i_lo = std::max(*i_lo, k0 - p.window_right - p.offset);
+    if (p.window_left >= 0) *i_hi = std::min(*i_hi, last_key + p.window_left - p.offset + 1);
+}
+
+/* Write the n keys' gradients from k0: dK = dk_scale dk ([n][D]) and dV = dv ([n][Dv]). */
+template <typename T, typename In>
+static void write_key_gradients(const BwdParams& bp, int64_t b, int64_t kvh, int64_t k0, int64_t n, const T* dk,
+                                const T* dv, T dk_scale) {
+    const FwdParams& p = bp.f;
+    const int64_t D = p.head_dim, Dv = p.head_dim_v;
+    for (int64_t j = 0; j < n; ++j) {
+        In* dk_row = reinterpret_cast<In*>(bp.dk) + b * bp.dk_stride[0] + kvh * bp.dk_stride[1] + (k0 + j) * bp.dk_stride[2];
+        In* dv_row = reinterpret_cast<In*>(bp.dv) + b * bp.dv_stride[0] + kvh * bp.dv_stride[1] + (k0 + j) * bp.dv_stride[2];
+        for (int64_t d = 0; d < D; ++d) {
+            const T value = dk_scale * dk[j * D + d];
+            note_stored(p, value);
+            dk_row[d] = Store<In>::from(value);
+        }
+        for (int64_t c = 0; c < Dv; ++c) {
+            note_stored(p, dv[j * Dv + c]);
+            dv_row[c] = Store<In>::from(dv[j * Dv + c]);
+        }
+    }
+}
+
 /* Pass 2: dK and dV of the key blocks of one chunk of one kv head, and the chunk's dQ partial. */
 template <typename T, typename In, int NV>
 static void gradient_block(const BwdParams& bp, T* scratch, int64_t b, int64_t kvh, int64_t chunk) {
@@ -255,14 +306,10 @@ static void gradient_block(const BwdParams& bp, T* scratch, int64_t b, int64_t k
         const int64_t k0 = kb * N, n = std::min(N, p.seq_k - k0);
         std::memset(dk, 0, sizeof(T) * N * D);
         std::memset(dv, 0, sizeof(T) * N * Dv);
-        /* Keys past key_lengths are padding: zero gradient.  Queries that can see some key here: */
-        const int64_t live = std::min(n, (p.key_lengths ? p.key_lengths[b] : p.seq_k) - k0);
+        const int64_t live = live_keys(p, b, k0, n);
         if (live > 0) {
-            const int64_t last_key = k0 + live - 1;
-            int64_t i_lo = 0, i_hi = p.seq_q;
-            if (p.causal) i_lo = std::max(i_lo, k0 - p.offset);
-            if (p.window_right >= 0) i_lo = std::max(i_lo, k0 - p.window_right - p.offset);
-            if (p.window_left >= 0) i_hi = std::min(i_hi, last_key + p.window_left - p.offset + 1);
+            int64_t i_lo, i_hi;
+            seeing_queries(p, k0, live, &i_lo, &i_hi);
             KvTile<T, In> tile;
             tile.load(p, b, kvh, k0, live, t.k_converted, t.v_converted);
             /* Whole query blocks (pass 3's), so rows of a block outside [i_lo, i_hi) get P = dS = 0. */
@@ -279,30 +326,20 @@ static void gradient_block(const BwdParams& bp, T* scratch, int64_t b, int64_t k
                     Blocked<T, NV>::pv_all(D, tile.k, tile.k_stride, t.dp + rb, mp, live, dqt + rb, p.skip_zero_weights);
             }
         }
-        for (int64_t j = 0; j < n; ++j) {
-            In* dk_row = reinterpret_cast<In*>(bp.dk) + b * bp.dk_stride[0] + kvh * bp.dk_stride[1] + (k0 + j) * bp.dk_stride[2];
-            In* dv_row = reinterpret_cast<In*>(bp.dv) + b * bp.dv_stride[0] + kvh * bp.dv_stride[1] + (k0 + j) * bp.dv_stride[2];
-            for (int64_t d = 0; d < D; ++d) {
-                note_stored(p, dk[j * D + d]);
-                dk_row[d] = Store<In>::from(dk[j * D + d]);
-            }
-            for (int64_t c = 0; c < Dv; ++c) {
-                note_stored(p, dv[j * Dv + c]);
-                dv_row[c] = Store<In>::from(dv[j * Dv + c]);
-            }
-        }
+        write_key_gradients<T, In>(bp, b, kvh, k0, n, dk, dv, T(1));
     }
 }
 
 /* Pass 3: dQ of one (b, kv head, query block), all heads of the group stacked: the chunks' dQ^T
- * tiles added in chunk order, then scaled and written. */
-template <typename T, typename In, int NV>
-static void dq_block(const BwdParams& bp, T* scratch, int64_t b, int64_t kvh, int64_t qb) {
+ * tiles (rows padded to a multiple of row_align, as pass 2 laid them out) added in chunk order,
+ * then scaled and written. */
+template <typename T, typename In>
+static void dq_block(const BwdParams& bp, T* scratch, int64_t b, int64_t kvh, int64_t qb, int64_t row_align) {
     typedef typename Vec<T>::type V;
     constexpr int L = Vec<T>::lanes;
     const FwdParams& p = bp.f;
     const int64_t D = p.head_dim, q0 = qb * p.block_queries, qn = std::min(p.block_queries, p.seq_q - q0);
-    const int64_t rows = p.group * qn, mp = round_up(rows, NV * L);
+    const int64_t rows = p.group * qn, mp = round_up(rows, row_align);
     T* dqt = scratch; /* [D][mp] */
     std::memcpy(dqt, dq_partial_tile<T>(bp, 0, b, kvh, qb), sizeof(T) * D * mp);
     for (int64_t chunk = 1; chunk < bp.chunks; ++chunk) {
@@ -333,28 +370,36 @@ static void delta_row(const BwdParams& bp, int64_t index) {
 
 /* Items of one kv head consecutive (its Q and dO shared in cache, as decode_item orders the
  * forward's), chunk 0 first: under causal masking the first keys are seen by the most queries. */
-template <typename T, typename In>
-static void gradient_item(const BwdParams& bp, char* scratch, int64_t item) {
-    const FwdParams& p = bp.f;
-    const int64_t chunk = item % bp.chunks, kvh = (item / bp.chunks) % p.heads_kv;
-    const int64_t b = item / (bp.chunks * p.heads_kv);
-    T* buffer = reinterpret_cast<T*>(scratch);
-    if (row_vectors<T>(p) == 1)
-        gradient_block<T, In, 1>(bp, buffer, b, kvh, chunk);
-    else
-        gradient_block<T, In, 2>(bp, buffer, b, kvh, chunk);
+struct KeyChunk {
+    int64_t b, kvh, chunk;
+};
+
+static inline KeyChunk key_chunk_of(const BwdParams& bp, int64_t item) {
+    return KeyChunk{item / (bp.chunks * bp.f.heads_kv), (item / bp.chunks) % bp.f.heads_kv, item % bp.chunks};
 }
 
 template <typename T, typename In>
-static void dq_item(const BwdParams& bp, char* scratch, int64_t item) {
+static void gradient_item(const BwdParams& bp, char* scratch, int64_t item) {
+    const KeyChunk where = key_chunk_of(bp, item);
+    T* buffer = reinterpret_cast<T*>(scratch);
+    if (row_vectors<T>(bp.f) == 1)
+        gradient_block<T, In, 1>(bp, buffer, where.b, where.kvh, where.chunk);
+    else
+        gradient_block<T, In, 2>(bp, buffer, where.b, where.kvh, where.chunk);
+}
+
+/* Pass 3's item; row_align: the padding of pass 2's dQ^T tiles (vector_row_align for its vector
+ * kernels). */
+template <typename T, typename In>
+static void dq_item(const BwdParams& bp, char* scratch, int64_t item, int64_t row_align) {
     const FwdParams& p = bp.f;
     const int64_t qb = item % p.query_blocks, kvh = (item / p.query_blocks) % p.heads_kv;
     const int64_t b = item / (p.query_blocks * p.heads_kv);
-    T* buffer = reinterpret_cast<T*>(scratch);
-    if (row_vectors<T>(p) == 1)
-        dq_block<T, In, 1>(bp, buffer, b, kvh, qb);
-    else
-        dq_block<T, In, 2>(bp, buffer, b, kvh, qb);
+    dq_block<T, In>(bp, reinterpret_cast<T*>(scratch), b, kvh, qb, row_align);
+}
+
+template <typename T> static inline int64_t vector_row_align(const FwdParams& p) {
+    return row_vectors<T>(p) * lanes<T>();
 }
 
 }  // namespace FASTATTN_ISA_NAMESPACE

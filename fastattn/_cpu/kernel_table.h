@@ -30,6 +30,8 @@ struct KernelTable {
     /* Whether a forward item of `rows` stacked query rows runs on AMX tiles (false below the amx level):
      * the one rule, which the Python planner also asks to pick the AMX tile sizes. */
     bool (*forward_on_amx)(const FwdParams* params, int64_t rows);
+    /* Whether the backward's gradient pass runs on AMX tiles (false below the amx level). */
+    bool (*backward_on_amx)(const BwdParams* params);
 };
 
 }  // namespace fastattn

@@ -6,6 +6,7 @@
  */
 #include "flash_amx.h"
 #include "flash_backward.h"
+#include "flash_backward_amx.h"
 #include "kernel_table.h"
 
 namespace fastattn {
@@ -43,9 +44,24 @@ static void forward_combine(const void* params, char*, int64_t index) {
 #undef FASTATTN_CALL
 }
 
+/* Whether pass 2 runs on AMX tiles (flash_backward_amx.h); pass 3 must then read its dQ^T tiles
+ * with that path's row padding. */
+static bool backward_on_amx(const BwdParams* p) {
+#if defined(FASTATTN_HAS_AMX)
+    return p->f.dtype == DTYPE_BFLOAT16 && amx_backward_applies(p->f);
+#else
+    (void)p;
+    return false;
+#endif
+}
+
 static size_t backward_scratch_bytes(const BwdParams* p) {
     if (p->f.dtype == DTYPE_FLOAT64) return sizeof(double) * backward_scratch_elements<double>(*p);
-    return sizeof(float) * backward_scratch_elements<float>(*p);
+    const size_t vectors = sizeof(float) * backward_scratch_elements<float>(*p);
+#if defined(FASTATTN_HAS_AMX)
+    if (backward_on_amx(p)) return std::max(vectors, (size_t)AmxBackwardBuffers::bytes(p->f));
+#endif
+    return vectors;
 }
 
 static void backward_delta(const void* params, char*, int64_t index) {
@@ -57,6 +73,13 @@ static void backward_delta(const void* params, char*, int64_t index) {
 
 static void backward_gradients(const void* params, char* scratch, int64_t item) {
     const BwdParams& p = *static_cast<const BwdParams*>(params);
+#if defined(FASTATTN_HAS_AMX)
+    if (backward_on_amx(&p)) {
+        const KeyChunk where = key_chunk_of(p, item);
+        gradient_block_amx(p, scratch, where.b, where.kvh, where.chunk);
+        return;
+    }
+#endif
 #define FASTATTN_CALL(T, In) gradient_item<T, In>(p, scratch, item)
     FASTATTN_BY_DTYPE(p.f.dtype, FASTATTN_CALL)
 #undef FASTATTN_CALL
@@ -64,7 +87,13 @@ static void backward_gradients(const void* params, char* scratch, int64_t item) 
 
 static void backward_dq(const void* params, char* scratch, int64_t item) {
     const BwdParams& p = *static_cast<const BwdParams*>(params);
-#define FASTATTN_CALL(T, In) dq_item<T, In>(p, scratch, item)
+#if defined(FASTATTN_HAS_AMX)
+    if (backward_on_amx(&p)) {
+        dq_item<float, bfloat16_bits>(p, scratch, item, kAmxRowAlign);
+        return;
+    }
+#endif
+#define FASTATTN_CALL(T, In) dq_item<T, In>(p, scratch, item, vector_row_align<T>(p.f))
     FASTATTN_BY_DTYPE(p.f.dtype, FASTATTN_CALL)
 #undef FASTATTN_CALL
 }
@@ -85,6 +114,7 @@ const KernelTable* kernel_table() {
     static const KernelTable table = {
         FASTATTN_ISA_NAME,      FASTATTN_VECTOR_BYTES, forward_scratch_bytes, forward_item, forward_combine,
         backward_scratch_bytes, backward_delta,        backward_gradients,    backward_dq,     forward_on_amx,
+        backward_on_amx,
     };
     return &table;
 }

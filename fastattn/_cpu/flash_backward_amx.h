@@ -1,0 +1,261 @@
+/* Flash attention backward for bfloat16 inputs on AMX tiles (Intel Sapphire Rapids and later).
+ *
+ * The same three passes, work items, chunks and summation order as flash_backward.h; in pass 2
+ * the five tile products move from float32 FMA vectors to `tdpbf16ps` (flash_amx.h says what one
+ * does and what it costs), so the float32 work between them, the scores' finishing and P and dS,
+ * sets the pace.  Per (key block of n keys, query tile of mp rows, mp a multiple of 32):
+ *
+ *   S^T[keys][rows]  = K Q^T      A = K read in place, B = Q in pairs of dims     (tile_scores)
+ *   dP^T[keys][rows] = V dO^T     A = V read in place, B = dO in pairs of columns (tile_scores)
+ *   P, dS in float32 from S, dP by the vector path's probability_gradient; then rounded to
+ *   bfloat16, as FlashAttention's GPU backward rounds them, in two layouts:
+ *     [keys][rows], the A tiles of the next two products, and dS in pairs of keys, B of the last
+ *   dV[keys][cols] += P^T dO      A = P [16 keys][32 rows], B = dO in pairs of rows
+ *   dK[keys][dims] += dS^T Q      A = dS,                   B = Q in pairs of rows
+ *   dQ^T[dims][rows] += K^T dS^T  A = K^T (transposed once per key block), B = dS in pairs of keys
+ *
+ * Q is not pre-scaled (a bfloat16 Q times scale would round again): S is scaled where masks or
+ * softcap need scaled scores, else the scale rides in P's exponent; dK is scaled when written and
+ * dQ in pass 3, as for the vector kernels.  dV, dK and dQ^T accumulate in float32 C tiles loaded
+ * from and stored to their buffers, one 2 x 2 block of C tiles at a time (two A and two B tiles
+ * feed four products, as in the forward).  dQ^T's tiles have mp rows (pass 3 reads them so).
+ * Keys past the block's live keys and rows past the tile's are zero in every packed operand.
+ *
+ * Taken when: bfloat16 inputs, D and Dv multiples of 32 (the products' K dimension in steps of
+ * 32), key_tile of 32, and no rerun that must skip zero weights; otherwise the vector kernels run.
+ */
+#ifndef FASTATTN_FLASH_BACKWARD_AMX_H
+#define FASTATTN_FLASH_BACKWARD_AMX_H
+
+#include "flash_amx.h"
+#include "flash_backward.h"
+
+#if defined(FASTATTN_HAS_AMX)
+
+namespace fastattn {
+inline namespace FASTATTN_ISA_NAMESPACE {
+
+static bool amx_backward_applies(const FwdParams& p) {
+    return p.head_dim % 32 == 0 && p.head_dim_v % 32 == 0 && p.key_tile % 32 == 0 && !p.skip_zero_weights;
+}
+
+/* Rows of the dQ^T tiles pass 2 writes on AMX are padded to this (pass 3 must read them so). */
+constexpr int64_t kAmxRowAlign = 32;
+
+/* One gradient item's buffers, carved from the thread's scratch (64-byte aligned). */
+struct AmxBackwardBuffers {
+    float *dk, *dv, *s, *dp, *cap_grad, *keep, *lse2, *delta, *position;
+    uint16_t *k_transposed, *pad, *q_columns, *do_columns, *q_rows, *do_rows, *p_keys, *ds_keys, *ds_pairs;
+
+    static int64_t bytes(const FwdParams& p) { return AmxBackwardBuffers().carve(p, nullptr); }
+
+    int64_t carve(const FwdParams& p, char* base) {
+        const int64_t mp = round_up(p.group * p.block_queries, kAmxRowAlign), N = p.key_tile;
+        const int64_t D = p.head_dim, Dv = p.head_dim_v;
+        const int64_t sizes[] = {4 * N * D,  4 * N * Dv, 4 * N * mp,  4 * N * mp,  4 * N * mp,
+                                 4 * N * mp, 4 * mp,     4 * mp,      4 * mp,      2 * D * N,
+                                 2 * 16 * std::max(D, Dv), 2 * mp * D, 2 * mp * Dv, 2 * mp * D, 2 * mp * Dv,
+                                 2 * N * mp, 2 * N * mp, 2 * N * mp};
+        void** slots[] = {(void**)&dk,           (void**)&dv,        (void**)&s,          (void**)&dp,
+                          (void**)&cap_grad,     (void**)&keep,      (void**)&lse2,       (void**)&delta,
+                          (void**)&position,     (void**)&k_transposed, (void**)&pad,     (void**)&q_columns,
+                          (void**)&do_columns,   (void**)&q_rows,    (void**)&do_rows,    (void**)&p_keys,
+                          (void**)&ds_keys,      (void**)&ds_pairs};
+        static_assert(sizeof(sizes) / sizeof(sizes[0]) == sizeof(slots) / sizeof(slots[0]), "one size a slot");
+        int64_t offset = 0;
+        for (size_t i = 0; i < sizeof(sizes) / sizeof(sizes[0]); ++i) {
+            if (base) *slots[i] = base + offset;
+            offset += align64(sizes[i]);
+        }
+        return offset;
+    }
+};
+
+/* Pack one query tile's rows (heads of the group stacked, as everywhere): Q and dO in pairs of
+ * columns (B of S and dP) and in pairs of rows (B of dK and dV); lse log2(e) (+inf for a row that
+ * saw no key or pads the tile, so that its P is 0), delta and key position per row.  Returns mp. */
+static int64_t pack_query_tile(const BwdParams& bp, int64_t b, int64_t kvh, int64_t q0, int64_t qn,
+                               const AmxBackwardBuffers& t) {
+    const FwdParams& p = bp.f;
+    const int64_t rows = p.group * qn, mp = round_up(rows, kAmxRowAlign);
+    auto head = [&](int64_t r) { return kvh * p.group + r / qn; };
+    auto q_row = [&](int64_t r) -> const uint16_t* {
+        if (r >= rows) return nullptr;
+        return at<uint16_t>(p.q, b * p.q_stride[0] + head(r) * p.q_stride[1] + (q0 + r % qn) * p.q_stride[2]);
+    };
+    auto do_row = [&](int64_t r) -> const uint16_t* {
+        if (r >= rows) return nullptr;
+        return at<uint16_t>(bp.dout, b * bp.dout_stride[0] + head(r) * bp.dout_stride[1] + (q0 + r % qn) * bp.dout_stride[2]);
+    };
+    pack_column_pairs(q_row, mp, p.head_dim, t.q_columns);
+    pack_column_pairs(do_row, mp, p.head_dim_v, t.do_columns);
+    pack_row_pairs(q_row, mp, p.head_dim, t.q_rows);
+    pack_row_pairs(do_row, mp, p.head_dim_v, t.do_rows);
+    const float inf = std::numeric_limits<float>::infinity();
+    for (int64_t r = 0; r < mp; ++r) {
+        if (r >= rows) {
+            t.lse2[r] = inf;
+            t.delta[r] = 0.0f;
+            t.position[r] = (float)(q0 + p.offset);
+            continue;
+        }
+        const int64_t h = head(r), i = q0 + r % qn;
+        const float saved = *(reinterpret_cast<const float*>(p.lse) + b * p.lse_stride[0] + h * p.lse_stride[1] +
+                              i * p.lse_stride[2]);
+        t.lse2[r] = saved == -inf ? inf : saved * kLog2e<float>;
+        t.delta[r] = reinterpret_cast<const float*>(bp.delta)[(b * p.heads_q + h) * p.seq_q + i];
+        t.position[r] = (float)(i + p.offset);
+    }
+    return mp;
+}
+
+/* P and dS of one (key block, query tile) from S (t.s) and dP (t.dp), rounded to bfloat16 as the
+ * products read them: P o dropout and dS as [keys][rows] up to the next multiple of 16 keys, dS in
+ * pairs of keys ([mp/16][N/2][16][2]) up to the next multiple of 32; keys from `live` on are 0. */
+static void gradients_to_bfloat16(const FwdParams& p, const AmxBackwardBuffers& t, bool dropout, float score_log2e,
+                                  int64_t live, int64_t mp) {
+    const int64_t N = p.key_tile, keys16 = round_up(live, 16), keys32 = round_up(live, 32);
+    const __m512i interleave = interleave_halves_index();
+    for (int64_t j = 0; j < keys32; j += 2)
+        for (int64_t r = 0; r < mp; r += 16) {
+            __m512 kept[2], grad[2];
+            for (int u = 0; u < 2; ++u) {
+                const int64_t e = (j + u) * mp + r;
+                if (j + u >= live) {
+                    kept[u] = grad[u] = _mm512_setzero_ps();
+                    continue;
+                }
+                Vec<float>::type k, g;
+                probability_gradient<float>(vload<Vec<float>::type>(t.s + e), vload<Vec<float>::type>(t.dp + e),
+                                            vload<Vec<float>::type>(t.lse2 + r), vload<Vec<float>::type>(t.delta + r),
+                                            score_log2e, dropout ? t.keep + e : nullptr,
+                                            p.softcap > 0 ? t.cap_grad + e : nullptr, &k, &g);
+                kept[u] = (__m512)k;
+                grad[u] = (__m512)g;
+            }
+            if (j < keys16) {
+                const __m512i p_both = (__m512i)_mm512_cvtne2ps_pbh(kept[1], kept[0]);
+                const __m512i ds_both = (__m512i)_mm512_cvtne2ps_pbh(grad[1], grad[0]);
+                _mm256_storeu_si256(reinterpret_cast<__m256i*>(t.p_keys + j * mp + r), _mm512_castsi512_si256(p_both));
+                _mm256_storeu_si256(reinterpret_cast<__m256i*>(t.p_keys + (j + 1) * mp + r),
+                                    _mm512_extracti64x4_epi64(p_both, 1));
+                _mm256_storeu_si256(reinterpret_cast<__m256i*>(t.ds_keys + j * mp + r), _mm512_castsi512_si256(ds_both));
+                _mm256_storeu_si256(reinterpret_cast<__m256i*>(t.ds_keys + (j + 1) * mp + r),
+                                    _mm512_extracti64x4_epi64(ds_both, 1));
+                _mm512_storeu_si512(t.ds_pairs + (r / 16) * N * 16 + j * 16, _mm512_permutexvar_epi16(interleave, ds_both));
+            } else {
+                _mm512_storeu_si512(t.ds_pairs + (r / 16) * N * 16 + j * 16, _mm512_setzero_si512());
+            }
+        }
+}
+
+/* One 2 x 2 (or smaller) block of C[keys][cols] += A[keys][rows] B[rows][cols]: key blocks kb
+ * (and kb + 1) of 16, column blocks cb (and cb + 1) of 16; A bfloat16 [keys][mp], B in pairs of
+ * rows [mp/2][cols][2], C float32 [keys][cols]. */
+template <int KB, int CB>
+static inline void key_block(const uint16_t* a, int64_t mp, const uint16_t* b_pairs, int64_t cols, int64_t kb,
+                             int64_t cb, float* c) {
+    const int64_t c_bytes = cols * 4, a_bytes = mp * 2;
+    float* first = c + kb * 16 * cols + cb * 16;
+    _tile_loadd(0, first, c_bytes);
+    if (CB > 1) _tile_loadd(1, first + 16, c_bytes);
+    if (KB > 1) _tile_loadd(2, first + 16 * cols, c_bytes);
+    if (KB > 1 && CB > 1) _tile_loadd(3, first + 16 * cols + 16, c_bytes);
+    for (int64_t step = 0; step < mp / 32; ++step) {
+        _tile_loadd(4, a + kb * 16 * mp + step * 32, a_bytes);
+        if (KB > 1) _tile_loadd(5, a + (kb + 1) * 16 * mp + step * 32, a_bytes);
+        _tile_loadd(6, b_pairs + step * 16 * cols * 2 + cb * 32, c_bytes);
+        if (CB > 1) _tile_loadd(7, b_pairs + step * 16 * cols * 2 + (cb + 1) * 32, c_bytes);
+        _tile_dpbf16ps(0, 4, 6);
+        if (CB > 1) _tile_dpbf16ps(1, 4, 7);
+        if (KB > 1) _tile_dpbf16ps(2, 5, 6);
+        if (KB > 1 && CB > 1) _tile_dpbf16ps(3, 5, 7);
+    }
+    _tile_stored(0, first, c_bytes);
+    if (CB > 1) _tile_stored(1, first + 16, c_bytes);
+    if (KB > 1) _tile_stored(2, first + 16 * cols, c_bytes);
+    if (KB > 1 && CB > 1) _tile_stored(3, first + 16 * cols + 16, c_bytes);
+}
+
+/* C[keys][cols] += A[keys][rows] B[rows][cols] over `keys` (a multiple of 16) keys: dV and dK. */
+static void key_products(const uint16_t* a, int64_t keys, int64_t mp, const uint16_t* b_pairs, int64_t cols,
+                         float* c) {
+    const int64_t key_blocks = keys / 16, column_blocks = cols / 16;
+    for (int64_t kb = 0; kb < key_blocks; kb += 2) {
+        const bool key_pair = kb + 1 < key_blocks;
+        int64_t cb = 0;
+        for (; cb + 2 <= column_blocks; cb += 2) {
+            if (key_pair)
+                key_block<2, 2>(a, mp, b_pairs, cols, kb, cb, c);
+            else
+                key_block<1, 2>(a, mp, b_pairs, cols, kb, cb, c);
+        }
+        if (cb < column_blocks) {
+            if (key_pair)
+                key_block<2, 1>(a, mp, b_pairs, cols, kb, cb, c);
+            else
+                key_block<1, 1>(a, mp, b_pairs, cols, kb, cb, c);
+        }
+    }
+}
+
+/* Pass 2 on AMX: dK and dV of the key blocks of one chunk of one kv head, and the chunk's dQ
+ * partial, as gradient_block (flash_backward.h) computes them. */
+static void gradient_block_amx(const BwdParams& bp, char* scratch, int64_t b, int64_t kvh, int64_t chunk) {
+    const FwdParams& p = bp.f;
+    const int64_t D = p.head_dim, Dv = p.head_dim_v, N = p.key_tile, BQ = p.block_queries;
+    AmxBackwardBuffers t;
+    t.carve(p, scratch);
+    std::memset(dq_partial_tile<float>(bp, chunk, b, kvh, 0), 0,
+                sizeof(float) * p.query_blocks * D * dq_tile_rows<float>(p));
+    /* Masks and softcap see scaled scores; otherwise the scale rides in P's exponent. */
+    const bool scale_first = p.softcap > 0 || p.mask_kind != MASK_NONE;
+    const float scale = (float)p.scale, score_log2e = (scale_first ? 1.0f : scale) * kLog2e<float>;
+    configure_tiles();
+    const int64_t kb_end = std::min(bp.key_blocks, (chunk + 1) * bp.chunk_blocks);
+    for (int64_t kb = chunk * bp.chunk_blocks; kb < kb_end; ++kb) {
+        const int64_t k0 = kb * N, n = std::min(N, p.seq_k - k0);
+        std::memset(t.dk, 0, sizeof(float) * N * D);
+        std::memset(t.dv, 0, sizeof(float) * N * Dv);
+        const int64_t live = live_keys(p, b, k0, n);
+        if (live > 0) {
+            int64_t i_lo, i_hi;
+            seeing_queries(p, k0, live, &i_lo, &i_hi);
+            const uint16_t* k = at<uint16_t>(p.k, b * p.k_stride[0] + kvh * p.k_stride[1] + k0 * p.k_stride[2]);
+            const uint16_t* v = at<uint16_t>(p.v, b * p.v_stride[0] + kvh * p.v_stride[1] + k0 * p.v_stride[2]);
+            pack_values_transposed(k, p.k_stride[2], live, D, t.k_transposed);
+            const int64_t keys16 = round_up(live, 16);
+            /* Whole query blocks (pass 3's), so rows of a block outside [i_lo, i_hi) get P = dS = 0. */
+            for (int64_t qb = std::max<int64_t>(i_lo, 0) / BQ; qb * BQ < i_hi; ++qb) {
+                const int64_t q0 = qb * BQ, qn = std::min(BQ, p.seq_q - q0), rows = p.group * qn;
+                if (p.mask_kind != MASK_NONE && mask_hides_tile(p, b, kvh, q0, qn, k0, live)) continue;
+                const int64_t mp = pack_query_tile(bp, b, kvh, q0, qn, t);
+                tile_scores(k, p.k_stride[2], live, t.q_columns, D, t.s, mp, t.pad);
+                tile_scores(v, p.v_stride[2], live, t.do_columns, Dv, t.dp, mp, t.pad);
+                if (scale_first) {
+                    const __m512 factor = _mm512_set1_ps(scale);
+                    for (int64_t e = 0; e < live * mp; e += 16)
+                        _mm512_storeu_ps(t.s + e, _mm512_mul_ps(_mm512_loadu_ps(t.s + e), factor));
+                }
+                finish_scores<float>(p, t.s, t.cap_grad, mp, rows, live, k0, b, kvh, q0, qn, t.position);
+                if (p.dropout_p > 0) {
+                    std::memset(t.keep, 0, sizeof(float) * live * mp);
+                    dropout_tile<float>(p, t.keep, mp, 1, rows, live, k0, b, kvh, q0, qn, true);
+                }
+                gradients_to_bfloat16(p, t, p.dropout_p > 0, score_log2e, live, mp);
+                key_products(t.p_keys, keys16, mp, t.do_rows, Dv, t.dv);
+                key_products(t.ds_keys, keys16, mp, t.q_rows, D, t.dk);
+                tile_output(t.k_transposed, t.ds_pairs, N, (live + 31) / 32, D, dq_partial_tile<float>(bp, chunk, b, kvh, qb),
+                            mp);
+            }
+        }
+        write_key_gradients<float, bfloat16_bits>(bp, b, kvh, k0, n, t.dk, t.dv, scale);
+    }
+    _tile_release();
+}
+
+}  // namespace FASTATTN_ISA_NAMESPACE
+}  // namespace fastattn
+
+#endif
+#endif
