@@ -178,6 +178,16 @@ def forward_on_amx(problem, int64_t block_queries, int64_t key_tile):
     return bool(_active.forward_on_amx(&p, p.group * min(block_queries, p.seq_q)))
 
 
+def backward_on_amx(problem, int64_t block_queries, int64_t key_tile):
+    """Whether the active level runs ``problem``'s backward gradient pass, with query blocks of
+    ``block_queries`` positions and ``key_tile`` keys, on AMX tiles (the kernels' own rule,
+    ``amx_backward_applies``)."""
+    cdef BwdParams p
+    memset(&p, 0, sizeof(BwdParams))
+    _fill_from_problem(&p.f, problem, block_queries, key_tile)
+    return bool(_active.backward_on_amx(&p))
+
+
 cdef inline char* _data(array):
     return <char*> cnp.PyArray_DATA(<cnp.ndarray> array)
 

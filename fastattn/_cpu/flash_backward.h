@@ -279,15 +279,8 @@ static void write_key_gradients(const BwdParams& bp, int64_t b, int64_t kvh, int
     for (int64_t j = 0; j < n; ++j) {
         In* dk_row = reinterpret_cast<In*>(bp.dk) + b * bp.dk_stride[0] + kvh * bp.dk_stride[1] + (k0 + j) * bp.dk_stride[2];
         In* dv_row = reinterpret_cast<In*>(bp.dv) + b * bp.dv_stride[0] + kvh * bp.dv_stride[1] + (k0 + j) * bp.dv_stride[2];
-        for (int64_t d = 0; d < D; ++d) {
-            const T value = dk_scale * dk[j * D + d];
-            note_stored(p, value);
-            dk_row[d] = Store<In>::from(value);
-        }
-        for (int64_t c = 0; c < Dv; ++c) {
-            note_stored(p, dv[j * Dv + c]);
-            dv_row[c] = Store<In>::from(dv[j * Dv + c]);
-        }
+        const bool finite = store_row<T, In>(dk + j * D, dk_scale, dk_row, D) & store_row<T, In>(dv + j * Dv, T(1), dv_row, Dv);
+        if (!finite) note_stored(p, std::numeric_limits<double>::quiet_NaN());
     }
 }
 
@@ -346,15 +339,15 @@ static void dq_block(const BwdParams& bp, T* scratch, int64_t b, int64_t kvh, in
         const T* part = dq_partial_tile<T>(bp, chunk, b, kvh, qb);
         for (int64_t e = 0; e < D * mp; e += L) vstore(dqt + e, vload<V>(dqt + e) + vload<V>(part + e));
     }
-    const T scale = (T)p.scale;
+    T* row = dqt + D * mp; /* [D]: one row of dQ^T's column */
+    bool finite = true;
     for (int64_t r = 0; r < rows; ++r) {
         const int64_t g = r / qn, i = q0 + r % qn, h = kvh * p.group + g;
         In* dst = reinterpret_cast<In*>(bp.dq) + b * bp.dq_stride[0] + h * bp.dq_stride[1] + i * bp.dq_stride[2];
-        for (int64_t d = 0; d < D; ++d) {
-            note_stored(p, scale * dqt[d * mp + r]);
-            dst[d] = Store<In>::from(scale * dqt[d * mp + r]);
-        }
+        for (int64_t d = 0; d < D; ++d) row[d] = dqt[d * mp + r];
+        finite &= store_row<T, In>(row, (T)p.scale, dst, D);
     }
+    if (!finite) note_stored(p, std::numeric_limits<double>::quiet_NaN());
 }
 
 template <typename T, typename In>
@@ -363,8 +356,14 @@ static void delta_row(const BwdParams& bp, int64_t index) {
     const int64_t i = index % p.seq_q, h = (index / p.seq_q) % p.heads_q, b = index / (p.seq_q * p.heads_q);
     const In* grad = at<In>(bp.dout, b * bp.dout_stride[0] + h * bp.dout_stride[1] + i * bp.dout_stride[2]);
     const In* out = at<In>(bp.out, b * bp.o_stride[0] + h * bp.o_stride[1] + i * bp.o_stride[2]);
+    typedef typename Vec<T>::type V;
+    constexpr int L = Vec<T>::lanes;
+    V sums{};
+    int64_t c = 0;
+    for (; c + L <= p.head_dim_v; c += L) sums += load_vector<T>(grad + c) * load_vector<T>(out + c);
     T total = 0;
-    for (int64_t c = 0; c < p.head_dim_v; ++c) total += load_as<T>(grad[c]) * load_as<T>(out[c]);
+    for (int l = 0; l < L; ++l) total += sums[l];
+    for (; c < p.head_dim_v; ++c) total += load_as<T>(grad[c]) * load_as<T>(out[c]);
     reinterpret_cast<T*>(bp.delta)[index] = total;
 }
 

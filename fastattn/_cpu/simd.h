@@ -363,6 +363,63 @@ template <typename T, typename In> static inline typename Vec<T>::type load_vect
     }
 }
 
+/* One vector of T stored as L elements of Out, rounded as Store<Out> rounds one: bfloat16 to
+ * nearest even with NaN kept NaN (from_float_bf16's integer steps, lane-wise), float16 by the
+ * level's conversion where it has one. */
+template <typename T, typename Out> static inline void store_vector(Out* dst, typename Vec<T>::type value) {
+    constexpr int L = Vec<T>::lanes;
+    if constexpr (std::is_same<T, Out>::value) {
+        vstore(dst, value);
+    } else if constexpr (std::is_same<T, float>::value && std::is_same<Out, bfloat16_bits>::value) {
+        typedef uint32_t U __attribute__((vector_size(FASTATTN_VECTOR_BYTES)));
+        const U bits = (U)value;
+        const U rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+        const U word = vselect((bits & 0x7fffffffu) > 0x7f800000u, (bits >> 16) | 0x40u, rounded);
+#if defined(__AVX512F__)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtepi32_epi16((__m512i)word));
+#elif defined(__AVX2__)
+        const __m256i words = (__m256i)word; /* each <= 0xffff: the unsigned saturation is exact */
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst),
+                         _mm_packus_epi32(_mm256_castsi256_si128(words), _mm256_extracti128_si256(words, 1)));
+#else
+        for (int i = 0; i < L; ++i) std::memcpy(dst + i, &word[i], sizeof(Out));
+#endif
+#if defined(__AVX512F__) || defined(__F16C__)
+    } else if constexpr (std::is_same<T, float>::value && std::is_same<Out, half_bits>::value) {
+#if defined(__AVX512F__)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtps_ph((__m512)value, _MM_FROUND_TO_NEAREST_INT));
+#else
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm256_cvtps_ph((__m256)value, _MM_FROUND_TO_NEAREST_INT));
+#endif
+#endif
+    } else {
+        for (int i = 0; i < L; ++i) dst[i] = Store<Out>::from(value[i]);
+    }
+}
+
+/* dst[i] = factor * src[i] for `count` elements, stored as Out (store_vector, then one element at
+ * a time); returns whether all are finite. */
+template <typename T, typename Out>
+static inline bool store_row(const T* src, T factor, Out* dst, int64_t count) {
+    typedef typename Vec<T>::type V;
+    constexpr int L = Vec<T>::lanes;
+    V poison{}; /* value * 0 is 0, or NaN for an infinity or a NaN */
+    int64_t i = 0;
+    for (; i + L <= count; i += L) {
+        const V value = vload<V>(src + i) * factor;
+        poison += value * T(0);
+        store_vector<T, Out>(dst + i, value);
+    }
+    bool finite = true;
+    for (int l = 0; l < L; ++l) finite &= poison[l] == T(0);
+    for (; i < count; ++i) {
+        const T value = factor * src[i];
+        finite &= std::isfinite(value);
+        dst[i] = Store<Out>::from(value);
+    }
+    return finite;
+}
+
 /* `count` elements of src into dst in the compute type T: L at a time through load_vector where the
  * level converts in registers (AVX-512, AVX2 with F16C), the rest one element at a time. */
 template <typename T, typename In> static inline void convert_row(const In* src, T* dst, int64_t count) {
