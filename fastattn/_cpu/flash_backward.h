@@ -339,13 +339,24 @@ static void dq_block(const BwdParams& bp, T* scratch, int64_t b, int64_t kvh, in
         const T* part = dq_partial_tile<T>(bp, chunk, b, kvh, qb);
         for (int64_t e = 0; e < D * mp; e += L) vstore(dqt + e, vload<V>(dqt + e) + vload<V>(part + e));
     }
-    T* row = dqt + D * mp; /* [D]: one row of dQ^T's column */
+    /* L rows at a time back to [rows][D] (L x L blocks transposed in registers), then stored. */
+    T* block_rows = dqt + D * mp; /* [L][D] */
     bool finite = true;
-    for (int64_t r = 0; r < rows; ++r) {
-        const int64_t g = r / qn, i = q0 + r % qn, h = kvh * p.group + g;
-        In* dst = reinterpret_cast<In*>(bp.dq) + b * bp.dq_stride[0] + h * bp.dq_stride[1] + i * bp.dq_stride[2];
-        for (int64_t d = 0; d < D; ++d) row[d] = dqt[d * mp + r];
-        finite &= store_row<T, In>(row, (T)p.scale, dst, D);
+    for (int64_t r0 = 0; r0 < rows; r0 += L) {
+        int64_t d0 = 0;
+        for (; d0 + L <= D; d0 += L) {
+            V block[L];
+            for (int t = 0; t < L; ++t) block[t] = vload<V>(dqt + (d0 + t) * mp + r0);
+            transpose_lanes<T>(block);
+            for (int u = 0; u < L; ++u) vstore(block_rows + u * D + d0, block[u]);
+        }
+        for (; d0 < D; ++d0)
+            for (int u = 0; u < L; ++u) block_rows[u * D + d0] = dqt[d0 * mp + r0 + u];
+        for (int64_t r = r0; r < std::min<int64_t>(r0 + L, rows); ++r) {
+            const int64_t g = r / qn, i = q0 + r % qn, h = kvh * p.group + g;
+            In* dst = reinterpret_cast<In*>(bp.dq) + b * bp.dq_stride[0] + h * bp.dq_stride[1] + i * bp.dq_stride[2];
+            finite &= store_row<T, In>(block_rows + (r - r0) * D, (T)p.scale, dst, D);
+        }
     }
     if (!finite) note_stored(p, std::numeric_limits<double>::quiet_NaN());
 }

@@ -109,15 +109,22 @@ static int64_t pack_query_tile(const BwdParams& bp, int64_t b, int64_t kvh, int6
     return mp;
 }
 
-/* P and dS of one (key block, query tile) from S (t.s) and dP (t.dp), rounded to bfloat16 as the
+/* P and dS of one (key block, query tile) from S (s) and dP (dp), rounded to bfloat16 as the
  * products read them: P o dropout and dS as [keys][rows] up to the next multiple of 16 keys, dS in
- * pairs of keys ([mp/16][N/2][16][2]) up to the next multiple of 32; keys from `live` on are 0. */
-static void gradients_to_bfloat16(const FwdParams& p, const AmxBackwardBuffers& t, bool dropout, float score_log2e,
-                                  int64_t live, int64_t mp) {
-    const int64_t N = p.key_tile, keys16 = round_up(live, 16), keys32 = round_up(live, 32);
+ * pairs of keys ([mp/16][N/2][16][2]) up to the next multiple of 32; keys from `live` on are 0.
+ * Row blocks outer, so each block's lse and delta stay in registers; the features are template
+ * arguments, so the inner loop has no test of them. */
+template <bool Dropout, bool Softcap>
+static void gradients_to_bfloat16_as(const float* s, const float* dp, const float* keep, const float* cap_grad,
+                                     const float* lse2, const float* delta, float score_log2e, int64_t live,
+                                     int64_t mp, int64_t N, uint16_t* p_keys, uint16_t* ds_keys, uint16_t* ds_pairs) {
+    typedef Vec<float>::type V;
+    const int64_t keys16 = round_up(live, 16), keys32 = round_up(live, 32);
     const __m512i interleave = interleave_halves_index();
-    for (int64_t j = 0; j < keys32; j += 2)
-        for (int64_t r = 0; r < mp; r += 16) {
+    for (int64_t r = 0; r < mp; r += 16) {
+        const V row_lse2 = vload<V>(lse2 + r), row_delta = vload<V>(delta + r);
+        uint16_t* pairs = ds_pairs + (r / 16) * N * 16;
+        for (int64_t j = 0; j < keys32; j += 2) {
             __m512 kept[2], grad[2];
             for (int u = 0; u < 2; ++u) {
                 const int64_t e = (j + u) * mp + r;
@@ -125,28 +132,40 @@ static void gradients_to_bfloat16(const FwdParams& p, const AmxBackwardBuffers& 
                     kept[u] = grad[u] = _mm512_setzero_ps();
                     continue;
                 }
-                Vec<float>::type k, g;
-                probability_gradient<float>(vload<Vec<float>::type>(t.s + e), vload<Vec<float>::type>(t.dp + e),
-                                            vload<Vec<float>::type>(t.lse2 + r), vload<Vec<float>::type>(t.delta + r),
-                                            score_log2e, dropout ? t.keep + e : nullptr,
-                                            p.softcap > 0 ? t.cap_grad + e : nullptr, &k, &g);
+                V k, g;
+                probability_gradient<float>(vload<V>(s + e), vload<V>(dp + e), row_lse2, row_delta, score_log2e,
+                                            Dropout ? keep + e : nullptr, Softcap ? cap_grad + e : nullptr, &k, &g);
                 kept[u] = (__m512)k;
                 grad[u] = (__m512)g;
             }
-            if (j < keys16) {
-                const __m512i p_both = (__m512i)_mm512_cvtne2ps_pbh(kept[1], kept[0]);
-                const __m512i ds_both = (__m512i)_mm512_cvtne2ps_pbh(grad[1], grad[0]);
-                _mm256_storeu_si256(reinterpret_cast<__m256i*>(t.p_keys + j * mp + r), _mm512_castsi512_si256(p_both));
-                _mm256_storeu_si256(reinterpret_cast<__m256i*>(t.p_keys + (j + 1) * mp + r),
-                                    _mm512_extracti64x4_epi64(p_both, 1));
-                _mm256_storeu_si256(reinterpret_cast<__m256i*>(t.ds_keys + j * mp + r), _mm512_castsi512_si256(ds_both));
-                _mm256_storeu_si256(reinterpret_cast<__m256i*>(t.ds_keys + (j + 1) * mp + r),
-                                    _mm512_extracti64x4_epi64(ds_both, 1));
-                _mm512_storeu_si512(t.ds_pairs + (r / 16) * N * 16 + j * 16, _mm512_permutexvar_epi16(interleave, ds_both));
-            } else {
-                _mm512_storeu_si512(t.ds_pairs + (r / 16) * N * 16 + j * 16, _mm512_setzero_si512());
-            }
+            const __m512i ds_both = (__m512i)_mm512_cvtne2ps_pbh(grad[1], grad[0]);
+            _mm512_storeu_si512(pairs + j * 16, _mm512_permutexvar_epi16(interleave, ds_both));
+            if (j >= keys16) continue;
+            const __m512i p_both = (__m512i)_mm512_cvtne2ps_pbh(kept[1], kept[0]);
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(p_keys + j * mp + r), _mm512_castsi512_si256(p_both));
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(p_keys + (j + 1) * mp + r), _mm512_extracti64x4_epi64(p_both, 1));
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(ds_keys + j * mp + r), _mm512_castsi512_si256(ds_both));
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(ds_keys + (j + 1) * mp + r),
+                                _mm512_extracti64x4_epi64(ds_both, 1));
         }
+    }
+}
+
+static void gradients_to_bfloat16(const FwdParams& p, const AmxBackwardBuffers& t, float score_log2e, int64_t live,
+                                  int64_t mp) {
+#define FASTATTN_GRADIENTS(DROPOUT, SOFTCAP)                                                                   \
+    gradients_to_bfloat16_as<DROPOUT, SOFTCAP>(t.s, t.dp, t.keep, t.cap_grad, t.lse2, t.delta, score_log2e, live, \
+                                               mp, p.key_tile, t.p_keys, t.ds_keys, t.ds_pairs)
+    const bool dropout = p.dropout_p > 0, softcap = p.softcap > 0;
+    if (dropout && softcap)
+        FASTATTN_GRADIENTS(true, true);
+    else if (dropout)
+        FASTATTN_GRADIENTS(true, false);
+    else if (softcap)
+        FASTATTN_GRADIENTS(false, true);
+    else
+        FASTATTN_GRADIENTS(false, false);
+#undef FASTATTN_GRADIENTS
 }
 
 /* One 2 x 2 (or smaller) block of C[keys][cols] += A[keys][rows] B[rows][cols]: key blocks kb
@@ -242,7 +261,7 @@ static void gradient_block_amx(const BwdParams& bp, char* scratch, int64_t b, in
                     std::memset(t.keep, 0, sizeof(float) * live * mp);
                     dropout_tile<float>(p, t.keep, mp, 1, rows, live, k0, b, kvh, q0, qn, true);
                 }
-                gradients_to_bfloat16(p, t, p.dropout_p > 0, score_log2e, live, mp);
+                gradients_to_bfloat16(p, t, score_log2e, live, mp);
                 key_products(t.p_keys, keys16, mp, t.do_rows, Dv, t.dv);
                 key_products(t.ds_keys, keys16, mp, t.q_rows, D, t.dk);
                 tile_output(t.k_transposed, t.ds_pairs, N, (live + 31) / 32, D, dq_partial_tile<float>(bp, chunk, b, kvh, qb),
