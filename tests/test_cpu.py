@@ -14,11 +14,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fastattn
-from fastattn._cpu import isa
+from fastattn._cpu import _flash, isa
 from fastattn.backends import cpu as cpu_backend
 
 from .conformance import _oracle
-from .conformance._cases import BACKWARD_TOLERANCE, Case, relative_error
+from .conformance._cases import BACKWARD_TOLERANCE, FORWARD_TOLERANCE, Case, relative_error
 from .conformance.test_forward import check_forward
 
 pytestmark = pytest.mark.skipif(
@@ -176,6 +176,60 @@ def test_bfloat16_large_tiles_match_oracle(options) -> None:
         check_forward("cpu", "cpu", case)
     finally:
         fastattn.set_num_threads(before)
+
+
+AMX_DECODE_CASES = {
+    "one-row-split-keys": {"batch": 1, "heads_kv": 1, "seq_q": 1},
+    "gqa-bool-mask-lengths": {"seq_q": 2, "mask_kind": "bool", "mask_shape": (2, 1, 1, 600), "key_lengths": (600, 77)},
+    "causal-window-float-mask-softcap": {
+        "seq_q": 2, "causal": "bottom_right", "window": (250, 0), "mask_kind": "float", "mask_shape": (2, 600),
+        "softcap": 8.0,
+    },
+    "value-dim-32-bshd-strided": {"seq_q": 1, "head_dim_v": 32, "layout": "bshd", "strided": "strided"},
+}
+
+
+@pytest.mark.parametrize("options", list(AMX_DECODE_CASES.values()), ids=list(AMX_DECODE_CASES))
+def test_bfloat16_decode_on_amx_tiles_matches_oracle(options) -> None:
+    """bfloat16 decode (at most kDotMaxRows stacked rows: group 4 x 1-2 queries) over 600 keys, whose
+    last key tile is partial, on the AMX decode kernel where the level has it, the vector one
+    elsewhere; the first case's single (b, kv head) item splits its keys across threads."""
+    fields = {
+        "batch": 2, "heads_kv": 2, "group": 4, "seq_q": 1, "seq_k": 600, "head_dim": 64, "head_dim_v": 64,
+        "dtype": "bfloat16", "layout": "bhsd", "causal": False, "window": None, "mask_kind": None,
+        "mask_shape": None, "key_lengths": None, "softcap": None, "scale": None, "strided": "contiguous",
+        "seed": int(np.random.default_rng().integers(2**32)),
+    }
+    case = Case(**{**fields, **options})
+    q = np.zeros((case.batch, case.heads_q, case.seq_q, case.head_dim), ml_dtypes.bfloat16)
+    k = np.zeros((case.batch, case.heads_kv, case.seq_k, case.head_dim), ml_dtypes.bfloat16)
+    v = np.zeros((case.batch, case.heads_kv, case.seq_k, case.head_dim_v), ml_dtypes.bfloat16)
+    problem = fastattn.explain(q, k, v).problem
+    on_amx = _flash.forward_on_amx(problem, case.seq_q, cpu_backend.AMX_KEY_TILE)
+    assert on_amx == (isa.active() == "amx")
+    before = fastattn.get_num_threads()
+    fastattn.set_num_threads(2)
+    try:
+        if case.batch * case.heads_kv == 1:
+            assert cpu_backend.plan(problem, 2)[1] > 1, "expected the keys split across threads"
+        check_forward("cpu", "cpu", case)
+    finally:
+        fastattn.set_num_threads(before)
+
+
+def test_bfloat16_decode_dropout_drops_the_references_elements() -> None:
+    """Dropout in the bfloat16 decode (AMX where the level has it): the reference's mask, kept
+    elements within bfloat16 rounding."""
+    rng = np.random.default_rng()
+    bf16 = ml_dtypes.bfloat16
+    q = rng.standard_normal((2, 8, 1, 64)).astype(bf16)
+    k = rng.standard_normal((2, 2, 300, 64)).astype(bf16)
+    v = rng.standard_normal((2, 2, 300, 64)).astype(bf16)
+    drop = {"dropout_p": 0.3, "dropout_seed": int(rng.integers(2**63)), "causal": "bottom_right"}
+    out = fastattn.attention(q, k, v, backend="cpu", **drop)
+    want = fastattn.attention(*(x.astype(np.float64) for x in (q, k, v)), backend="reference", **drop)
+    error = relative_error(out.astype(np.float64), want.astype(bf16).astype(np.float64))
+    assert error <= FORWARD_TOLERANCE["bfloat16"], f"{error:.3g}"
 
 
 @pytest.mark.parametrize(

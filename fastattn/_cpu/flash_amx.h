@@ -398,6 +398,57 @@ static void tile_output(const uint16_t* vt, const uint16_t* pb, int64_t N, int64
     }
 }
 
+/* One 2 x 2 (or smaller) block of C[m][cols] += A[m][k] B[k][cols] over `steps` of 32 in k: row
+ * blocks mb (and mb + 1) of 16, column blocks cb (and cb + 1) of 16; A bfloat16, its rows a_stride
+ * elements apart; B in pairs of its rows ([k/2][cols][2], pack_row_pairs); C float32 [m][cols]. */
+template <int MB, int CB>
+static inline void pairs_block(const uint16_t* a, int64_t a_stride, int64_t steps, const uint16_t* b_pairs,
+                               int64_t cols, int64_t mb, int64_t cb, float* c) {
+    const int64_t c_bytes = cols * 4, a_bytes = a_stride * 2;
+    float* first = c + mb * 16 * cols + cb * 16;
+    _tile_loadd(0, first, c_bytes);
+    if (CB > 1) _tile_loadd(1, first + 16, c_bytes);
+    if (MB > 1) _tile_loadd(2, first + 16 * cols, c_bytes);
+    if (MB > 1 && CB > 1) _tile_loadd(3, first + 16 * cols + 16, c_bytes);
+    for (int64_t step = 0; step < steps; ++step) {
+        _tile_loadd(4, a + mb * 16 * a_stride + step * 32, a_bytes);
+        if (MB > 1) _tile_loadd(5, a + (mb + 1) * 16 * a_stride + step * 32, a_bytes);
+        _tile_loadd(6, b_pairs + step * 16 * cols * 2 + cb * 32, c_bytes);
+        if (CB > 1) _tile_loadd(7, b_pairs + step * 16 * cols * 2 + (cb + 1) * 32, c_bytes);
+        _tile_dpbf16ps(0, 4, 6);
+        if (CB > 1) _tile_dpbf16ps(1, 4, 7);
+        if (MB > 1) _tile_dpbf16ps(2, 5, 6);
+        if (MB > 1 && CB > 1) _tile_dpbf16ps(3, 5, 7);
+    }
+    _tile_stored(0, first, c_bytes);
+    if (CB > 1) _tile_stored(1, first + 16, c_bytes);
+    if (MB > 1) _tile_stored(2, first + 16 * cols, c_bytes);
+    if (MB > 1 && CB > 1) _tile_stored(3, first + 16 * cols + 16, c_bytes);
+}
+
+/* C[m][cols] += A[m][k] B[k][cols] for m (a multiple of 16) rows, k = 32 steps: the backward's dV
+ * and dK, the decode's P V. */
+static void pairs_product(const uint16_t* a, int64_t a_stride, int64_t m, int64_t steps, const uint16_t* b_pairs,
+                          int64_t cols, float* c) {
+    const int64_t row_blocks = m / 16, column_blocks = cols / 16;
+    for (int64_t mb = 0; mb < row_blocks; mb += 2) {
+        const bool row_pair = mb + 1 < row_blocks;
+        int64_t cb = 0;
+        for (; cb + 2 <= column_blocks; cb += 2) {
+            if (row_pair)
+                pairs_block<2, 2>(a, a_stride, steps, b_pairs, cols, mb, cb, c);
+            else
+                pairs_block<1, 2>(a, a_stride, steps, b_pairs, cols, mb, cb, c);
+        }
+        if (cb < column_blocks) {
+            if (row_pair)
+                pairs_block<2, 1>(a, a_stride, steps, b_pairs, cols, mb, cb, c);
+            else
+                pairs_block<1, 1>(a, a_stride, steps, b_pairs, cols, mb, cb, c);
+        }
+    }
+}
+
 /* ---- one work item --------------------------------------------------------------------------------- */
 
 static void forward_block_amx(const FwdParams& p, char* scratch, int64_t b, int64_t kvh, int64_t q0, int64_t qn,
@@ -452,6 +503,83 @@ static void forward_block_amx(const FwdParams& p, char* scratch, int64_t b, int6
     }
     _tile_release();
     write_rows(p, b, kvh, q0, qn, rows, mp, o, buffers.row_max, buffers.row_sum, partial_out, partial_lse);
+}
+
+/* ---- decode: a few rows ------------------------------------------------------------------------------
+ *
+ * With rows <= kDotMaxRows (decode) the vector path, forward_block_dot, runs R x D FMAs per key for
+ * the scores and R x Dv for P V, and converts every K and V element to float32 first: for bfloat16
+ * it is bound by the FMA ports (24 GB/s of K/V from cache on the Xeon above, below its memory's
+ * 33).  Here its layout and softmax stay (each row's scores along the keys, softmax_rows, O rows
+ * [r][Dv]) and the two products move to tiles that compute 16 rows, of which R are real:
+ *   S^T[keys][16] = K Q^T  tile_scores (K read in place, Q in pairs of dims, rows past R zero), then
+ *                          16 x 16 register transposes into the rows, scaled (Q is not);
+ *   O[16][Dv] += P V       A = P rounded to bfloat16 [16][keys] (rows past R zero), B = V in pairs of
+ *                          keys (pack_row_pairs: an interleave of two rows, no transpose), C the O
+ *                          rows, loaded and stored once per key tile (pairs_product).
+ * Taken when: bfloat16, D and Dv multiples of 32, key_tile of 32, no rerun that skips zero weights.
+ */
+static bool amx_decode_applies(const FwdParams& p, int64_t rows) {
+    return rows <= kDotMaxRows && p.head_dim % 32 == 0 && p.head_dim_v % 32 == 0 && p.key_tile % 32 == 0 &&
+           !p.skip_zero_weights;
+}
+
+static void forward_decode_amx(const FwdParams& p, char* scratch, int64_t b, int64_t kvh, int64_t q0, int64_t qn,
+                               int64_t k_begin, int64_t k_end, float* partial_out, float* partial_lse) {
+    const int64_t D = p.head_dim, Dv = p.head_dim_v, N = p.key_tile;
+    const int rows = (int)(p.group * qn);
+    AmxBuffers buffers;
+    buffers.carve(p, scratch);
+    float* scores_t = buffers.s;       /* [N][16]: S^T as the tiles leave it */
+    float* s = scores_t + N * 16;      /* [rows][N] */
+    float* o = buffers.o;              /* [16][Dv] */
+    uint16_t* probabilities = buffers.pb; /* [16][N] */
+    uint16_t* value_pairs = buffers.vt;   /* [N/2][Dv][2] */
+    int64_t head[kDotMaxRows], query[kDotMaxRows];
+    float position[kDotMaxRows], row_max[kDotMaxRows], row_sum[kDotMaxRows];
+    start_rows<float>(p, kvh, q0, qn, rows, head, query, position, row_max, row_sum);
+    pack_queries(p, b, kvh, q0, qn, 16, buffers.qb);
+    std::memset(o, 0, sizeof(float) * 16 * Dv);
+    std::memset(probabilities, 0, sizeof(uint16_t) * 16 * N);
+
+    int64_t lo, hi;
+    visible_keys(p, b, q0, qn, k_begin, k_end, &lo, &hi);
+    const __m512 scale = _mm512_set1_ps((float)p.scale);
+    configure_tiles();
+    for (int64_t kt = lo; kt < hi; kt += N) {
+        const int64_t n = std::min(N, hi - kt), blocks = (n + 15) / 16, keys32 = round_up(n, 32);
+        if (p.mask_kind != MASK_NONE && mask_hides_tile(p, b, kvh, q0, qn, kt, n)) continue;
+        const uint16_t* k = at<uint16_t>(p.k, b * p.k_stride[0] + kvh * p.k_stride[1] + kt * p.k_stride[2]);
+        const uint16_t* v = at<uint16_t>(p.v, b * p.v_stride[0] + kvh * p.v_stride[1] + kt * p.v_stride[2]);
+        /* The next tile's rows, spread over this tile's blocks (as forward_block_dot spreads them). */
+        SpreadPrefetch<uint16_t> ahead(p, b, kvh, kt + N, kt + N < hi ? std::min(N, hi - kt - N) : 0);
+        const int64_t lines_per_block = (ahead.total_lines() + 2 * blocks - 1) / (2 * blocks);
+
+        tile_scores(k, p.k_stride[2], n, buffers.qb, D, scores_t, 16, buffers.k_block);
+        for (int64_t kb = 0; kb < blocks; ++kb) {
+            ahead.issue(lines_per_block);
+            __m512i block[16];
+            for (int i = 0; i < 16; ++i) block[i] = _mm512_castps_si512(_mm512_loadu_ps(scores_t + (kb * 16 + i) * 16));
+            transpose_16x16_dwords(block);
+            for (int r = 0; r < rows; ++r)
+                _mm512_storeu_ps(s + r * N + kb * 16, _mm512_mul_ps(_mm512_castsi512_ps(block[r]), scale));
+        }
+        softmax_rows<float>(p, s, N, rows, n, kt, b, kvh, q0, qn, head, query, position, row_max, row_sum, o);
+        for (int r = 0; r < rows; ++r)
+            for (int64_t j = 0; j < keys32; j += 16) { /* keys from n on: 0 */
+                const __mmask16 live = j + 16 <= n ? (__mmask16)0xffff : j < n ? (__mmask16)((1u << (n - j)) - 1) : 0;
+                const __m512 weights = _mm512_maskz_loadu_ps(live, s + r * N + j);
+                _mm256_storeu_si256(reinterpret_cast<__m256i*>(probabilities + r * N + j), (__m256i)_mm512_cvtneps_pbh(weights));
+            }
+        ahead.issue(lines_per_block * blocks);
+        auto value_row = [&](int64_t j) -> const uint16_t* { return j < n ? v + j * p.v_stride[2] : nullptr; };
+        pack_row_pairs(value_row, keys32, Dv, value_pairs);
+        pairs_product(probabilities, N, 16, keys32 / 32, value_pairs, Dv, o);
+    }
+    _tile_release();
+    for (int r = 0; r < rows; ++r)
+        write_row<float, bfloat16_bits>(p, b, head[r], query[r], r, o + r * Dv, 1, row_max[r], row_sum[r], partial_out,
+                                        partial_lse);
 }
 
 }  // namespace FASTATTN_ISA_NAMESPACE

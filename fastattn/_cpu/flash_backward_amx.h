@@ -168,56 +168,6 @@ static void gradients_to_bfloat16(const FwdParams& p, const AmxBackwardBuffers& 
 #undef FASTATTN_GRADIENTS
 }
 
-/* One 2 x 2 (or smaller) block of C[keys][cols] += A[keys][rows] B[rows][cols]: key blocks kb
- * (and kb + 1) of 16, column blocks cb (and cb + 1) of 16; A bfloat16 [keys][mp], B in pairs of
- * rows [mp/2][cols][2], C float32 [keys][cols]. */
-template <int KB, int CB>
-static inline void key_block(const uint16_t* a, int64_t mp, const uint16_t* b_pairs, int64_t cols, int64_t kb,
-                             int64_t cb, float* c) {
-    const int64_t c_bytes = cols * 4, a_bytes = mp * 2;
-    float* first = c + kb * 16 * cols + cb * 16;
-    _tile_loadd(0, first, c_bytes);
-    if (CB > 1) _tile_loadd(1, first + 16, c_bytes);
-    if (KB > 1) _tile_loadd(2, first + 16 * cols, c_bytes);
-    if (KB > 1 && CB > 1) _tile_loadd(3, first + 16 * cols + 16, c_bytes);
-    for (int64_t step = 0; step < mp / 32; ++step) {
-        _tile_loadd(4, a + kb * 16 * mp + step * 32, a_bytes);
-        if (KB > 1) _tile_loadd(5, a + (kb + 1) * 16 * mp + step * 32, a_bytes);
-        _tile_loadd(6, b_pairs + step * 16 * cols * 2 + cb * 32, c_bytes);
-        if (CB > 1) _tile_loadd(7, b_pairs + step * 16 * cols * 2 + (cb + 1) * 32, c_bytes);
-        _tile_dpbf16ps(0, 4, 6);
-        if (CB > 1) _tile_dpbf16ps(1, 4, 7);
-        if (KB > 1) _tile_dpbf16ps(2, 5, 6);
-        if (KB > 1 && CB > 1) _tile_dpbf16ps(3, 5, 7);
-    }
-    _tile_stored(0, first, c_bytes);
-    if (CB > 1) _tile_stored(1, first + 16, c_bytes);
-    if (KB > 1) _tile_stored(2, first + 16 * cols, c_bytes);
-    if (KB > 1 && CB > 1) _tile_stored(3, first + 16 * cols + 16, c_bytes);
-}
-
-/* C[keys][cols] += A[keys][rows] B[rows][cols] over `keys` (a multiple of 16) keys: dV and dK. */
-static void key_products(const uint16_t* a, int64_t keys, int64_t mp, const uint16_t* b_pairs, int64_t cols,
-                         float* c) {
-    const int64_t key_blocks = keys / 16, column_blocks = cols / 16;
-    for (int64_t kb = 0; kb < key_blocks; kb += 2) {
-        const bool key_pair = kb + 1 < key_blocks;
-        int64_t cb = 0;
-        for (; cb + 2 <= column_blocks; cb += 2) {
-            if (key_pair)
-                key_block<2, 2>(a, mp, b_pairs, cols, kb, cb, c);
-            else
-                key_block<1, 2>(a, mp, b_pairs, cols, kb, cb, c);
-        }
-        if (cb < column_blocks) {
-            if (key_pair)
-                key_block<2, 1>(a, mp, b_pairs, cols, kb, cb, c);
-            else
-                key_block<1, 1>(a, mp, b_pairs, cols, kb, cb, c);
-        }
-    }
-}
-
 /* Pass 2 on AMX: dK and dV of the key blocks of one chunk of one kv head, and the chunk's dQ
  * partial, as gradient_block (flash_backward.h) computes them. */
 static void gradient_block_amx(const BwdParams& bp, char* scratch, int64_t b, int64_t kvh, int64_t chunk) {
@@ -262,8 +212,8 @@ static void gradient_block_amx(const BwdParams& bp, char* scratch, int64_t b, in
                     dropout_tile<float>(p, t.keep, mp, 1, rows, live, k0, b, kvh, q0, qn, true);
                 }
                 gradients_to_bfloat16(p, t, score_log2e, live, mp);
-                key_products(t.p_keys, keys16, mp, t.do_rows, Dv, t.dv);
-                key_products(t.ds_keys, keys16, mp, t.q_rows, D, t.dk);
+                pairs_product(t.p_keys, mp, keys16, mp / 32, t.do_rows, Dv, t.dv);
+                pairs_product(t.ds_keys, mp, keys16, mp / 32, t.q_rows, D, t.dk);
                 tile_output(t.k_transposed, t.ds_pairs, N, (live + 31) / 32, D, dq_partial_tile<float>(bp, chunk, b, kvh, qb),
                             mp);
             }

@@ -543,14 +543,86 @@ static inline void accumulate_pv(T* o, int64_t o_stride, const T* s, int64_t s_s
         for (int cb = 0; cb < CB; ++cb) vstore(o + r * o_stride + cb * L, acc[r][cb]);
 }
 
+/* The decode rows' heads, queries and key positions (row r: head kvh * G + r / qn, query q0 + r % qn)
+ * and their softmax state before the first key. */
+template <typename T>
+static inline void start_rows(const FwdParams& p, int64_t kvh, int64_t q0, int64_t qn, int rows, int64_t* head,
+                              int64_t* query, T* position, T* row_max, T* row_sum) {
+    for (int r = 0; r < rows; ++r) {
+        head[r] = kvh * p.group + r / qn;
+        query[r] = q0 + r % qn;
+        position[r] = (T)(query[r] + p.offset);
+        row_max[r] = -std::numeric_limits<T>::infinity();
+        row_sum[r] = T(0);
+    }
+}
+
+/* One key tile's scores of `rows` rows held along the keys (row r at s + r * N; n keys from kt)
+ * become probabilities, in finish_scores' order: softcap, the mask, then causal/window hiding
+ * (per-element work only where this tile needs it, forward_block's edge tests); then the online
+ * softmax along each row, with its O row (o + r * Dv) rescaled, and dropout. */
+template <typename T>
+static inline void softmax_rows(const FwdParams& p, T* s, int64_t N, int rows, int64_t n, int64_t kt, int64_t b,
+                                int64_t kvh, int64_t q0, int64_t qn, const int64_t* head, const int64_t* query,
+                                const T* position, T* row_max, T* row_sum, T* o) {
+    typedef typename Vec<T>::type V;
+    constexpr int L = Vec<T>::lanes;
+    const T neg_inf = -std::numeric_limits<T>::infinity();
+    const int64_t Dv = p.head_dim_v, first_pos = q0 + p.offset, last_pos = q0 + qn - 1 + p.offset;
+    const bool edges = (p.causal && kt + n - 1 > first_pos) || (p.window_left >= 0 && kt < last_pos - p.window_left) ||
+                       (p.window_right >= 0 && kt + n - 1 > first_pos + p.window_right);
+    if (p.softcap > 0)
+        for (int r = 0; r < rows; ++r)
+            for (int64_t j = 0; j < n; ++j) s[r * N + j] = (T)p.softcap * std::tanh(s[r * N + j] / (T)p.softcap);
+    if (p.mask_kind != MASK_NONE) mask_rows<T>(p, s, N, head, query, rows, n, kt, b);
+    for (int r = 0; r < rows; ++r) {
+        T* row = s + r * N;
+        for (int64_t j = 0; edges && j < n; ++j) {
+            const T key = (T)(kt + j);
+            const bool visible = !(p.causal && key > position[r]) &&
+                                 !(p.window_left >= 0 && key < position[r] - (T)p.window_left) &&
+                                 !(p.window_right >= 0 && key > position[r] + (T)p.window_right);
+            if (!visible) row[j] = neg_inf;
+        }
+        /* Online softmax along the keys of this row. */
+        T tile_max = neg_inf;
+        int64_t j = 0;
+        if (n >= L) {
+            V lane_max = vload<V>(row);
+            for (j = L; j + L <= n; j += L) lane_max = vmax(lane_max, vload<V>(row + j));
+            for (int lane = 0; lane < L; ++lane) tile_max = std::max(tile_max, lane_max[lane]);
+        }
+        for (; j < n; ++j) tile_max = std::max(tile_max, row[j]);
+        const T new_max = std::max(row_max[r], tile_max);
+        const T shift = new_max == neg_inf ? T(0) : new_max;
+        const T alpha = row_max[r] == neg_inf ? T(0) : std::exp(row_max[r] - shift);
+        const V vshift = vbroadcast(shift);
+        V total = V{};
+        for (j = 0; j + L <= n; j += L) {
+            const V prob = vexp(vload<V>(row + j) - vshift);
+            vstore(row + j, prob);
+            total += prob;
+        }
+        T tail = 0;
+        for (; j < n; ++j) {
+            row[j] = row[j] == neg_inf ? T(0) : std::exp(row[j] - shift);
+            tail += row[j];
+        }
+        row_sum[r] = row_sum[r] * alpha + vsum<T>(total) + tail;
+        row_max[r] = new_max;
+        if (alpha != T(1))
+            for (int64_t c = 0; c < Dv; ++c) o[r * Dv + c] *= alpha;
+    }
+    if (p.dropout_p > 0) dropout_tile<T>(p, s, 1, N, rows, n, kt, b, kvh, q0, qn, false);
+}
+
 template <typename T, typename In, int R>
 static void forward_block_dot(const FwdParams& p, T* scratch, int64_t b, int64_t kvh, int64_t q0, int64_t qn,
                               int64_t k_begin, int64_t k_end, T* partial_out, T* partial_lse) {
     typedef typename Vec<T>::type V;
     constexpr int L = Vec<T>::lanes;
     constexpr int CB = R >= 8 ? 2 : R >= 4 ? 4 : 8; /* O columns (vectors) held per row */
-    const T neg_inf = -std::numeric_limits<T>::infinity();
-    const int64_t D = p.head_dim, Dv = p.head_dim_v, G = p.group, N = p.key_tile;
+    const int64_t D = p.head_dim, Dv = p.head_dim_v, N = p.key_tile;
     const int64_t d_main = D / L * L, dv_main = Dv / (L * CB) * (L * CB);
 
     T* q = scratch;               /* [R][D], scaled */
@@ -560,22 +632,17 @@ static void forward_block_dot(const FwdParams& p, T* scratch, int64_t b, int64_t
     T row_max[R], row_sum[R], position[R];
     int64_t head[R], query[R];
 
+    start_rows<T>(p, kvh, q0, qn, R, head, query, position, row_max, row_sum);
     const T scale = (T)p.scale;
     for (int r = 0; r < R; ++r) {
-        head[r] = kvh * G + r / qn;
-        query[r] = q0 + r % qn;
         const In* src = at<In>(p.q, b * p.q_stride[0] + head[r] * p.q_stride[1] + query[r] * p.q_stride[2]);
         for (int64_t d = 0; d < D; ++d) q[r * D + d] = scale * load_as<T>(src[d]);
-        position[r] = (T)(query[r] + p.offset);
-        row_max[r] = neg_inf;
-        row_sum[r] = T(0);
     }
     std::memset(o, 0, sizeof(T) * R * Dv);
 
-    const int64_t first_pos = q0 + p.offset, last_pos = q0 + qn - 1 + p.offset;
     int64_t lo, hi;
     visible_keys(p, b, q0, qn, k_begin, k_end, &lo, &hi);
-    const bool softcap = p.softcap > 0, skip = p.skip_zero_weights != 0;
+    const bool skip = p.skip_zero_weights != 0;
 
     for (int64_t kt = lo; kt < hi; kt += N) {
         const int64_t n = std::min(N, hi - kt);
@@ -634,55 +701,7 @@ static void forward_block_dot(const FwdParams& p, T* scratch, int64_t b, int64_t
             }
         }
 
-        /* Per-element work only where this tile needs it (same edge tests as forward_block), in
-         * finish_scores' order: softcap, the mask, then causal/window hiding. */
-        const bool edges = (p.causal && kt + n - 1 > first_pos) ||
-                           (p.window_left >= 0 && kt < last_pos - p.window_left) ||
-                           (p.window_right >= 0 && kt + n - 1 > first_pos + p.window_right);
-        if (softcap)
-            for (int r = 0; r < R; ++r)
-                for (int64_t j = 0; j < n; ++j) s[r * N + j] = (T)p.softcap * std::tanh(s[r * N + j] / (T)p.softcap);
-        if (p.mask_kind != MASK_NONE) mask_rows<T>(p, s, N, head, query, R, n, kt, b);
-        for (int r = 0; r < R; ++r) {
-            T* row = s + r * N;
-            for (int64_t j = 0; edges && j < n; ++j) {
-                const T key = (T)(kt + j);
-                const bool visible = !(p.causal && key > position[r]) &&
-                                     !(p.window_left >= 0 && key < position[r] - (T)p.window_left) &&
-                                     !(p.window_right >= 0 && key > position[r] + (T)p.window_right);
-                if (!visible) row[j] = neg_inf;
-            }
-            /* Online softmax along the keys of this row. */
-            T tile_max = neg_inf;
-            int64_t j = 0;
-            if (n >= L) {
-                V lane_max = vload<V>(row);
-                for (j = L; j + L <= n; j += L) lane_max = vmax(lane_max, vload<V>(row + j));
-                for (int lane = 0; lane < L; ++lane) tile_max = std::max(tile_max, lane_max[lane]);
-            }
-            for (; j < n; ++j) tile_max = std::max(tile_max, row[j]);
-            const T new_max = std::max(row_max[r], tile_max);
-            const T shift = new_max == neg_inf ? T(0) : new_max;
-            const T alpha = row_max[r] == neg_inf ? T(0) : std::exp(row_max[r] - shift);
-            const V vshift = vbroadcast(shift);
-            V total = V{};
-            for (j = 0; j + L <= n; j += L) {
-                const V prob = vexp(vload<V>(row + j) - vshift);
-                vstore(row + j, prob);
-                total += prob;
-            }
-            T tail = 0;
-            for (; j < n; ++j) {
-                row[j] = row[j] == neg_inf ? T(0) : std::exp(row[j] - shift);
-                tail += row[j];
-            }
-            row_sum[r] = row_sum[r] * alpha + vsum<T>(total) + tail;
-            row_max[r] = new_max;
-            if (alpha != T(1))
-                for (int64_t c = 0; c < Dv; ++c) o[r * Dv + c] *= alpha;
-        }
-
-        if (p.dropout_p > 0) dropout_tile<T>(p, s, 1, N, R, n, kt, b, kvh, q0, qn, false);
+        softmax_rows<T>(p, s, N, R, n, kt, b, kvh, q0, qn, head, query, position, row_max, row_sum, o);
 
         /* O[r][:] += P[r][j] V[j][:], CB vectors of each row's O in registers. */
         for (int64_t c = 0; c < dv_main; c += CB * L) {
@@ -735,6 +754,9 @@ static inline int64_t split_length(const FwdParams& p) {
 static bool amx_forward_applies(const FwdParams& p, int64_t rows);
 static void forward_block_amx(const FwdParams& p, char* scratch, int64_t b, int64_t kvh, int64_t q0, int64_t qn,
                               int64_t k_begin, int64_t k_end, float* partial_out, float* partial_lse);
+static bool amx_decode_applies(const FwdParams& p, int64_t rows);
+static void forward_decode_amx(const FwdParams& p, char* scratch, int64_t b, int64_t kvh, int64_t q0, int64_t qn,
+                               int64_t k_begin, int64_t k_end, float* partial_out, float* partial_lse);
 #endif
 
 template <typename T, typename In>
@@ -758,6 +780,8 @@ static void run_item(const FwdParams& p, char* scratch, int64_t item) {
     if constexpr (std::is_same<In, bfloat16_bits>::value) {
         if (amx_forward_applies(p, p.group * qn))
             return forward_block_amx(p, scratch, index.b, index.kvh, q0, qn, k_begin, k_end, partial_out, partial_lse);
+        if (amx_decode_applies(p, p.group * qn))
+            return forward_decode_amx(p, scratch, index.b, index.kvh, q0, qn, k_begin, k_end, partial_out, partial_lse);
     }
 #endif
     T* buffer = reinterpret_cast<T*>(scratch);

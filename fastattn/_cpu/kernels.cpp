@@ -100,7 +100,7 @@ static void backward_dq(const void* params, char* scratch, int64_t item) {
 
 static bool forward_on_amx(const FwdParams* p, int64_t rows) {
 #if defined(FASTATTN_HAS_AMX)
-    return p->dtype == DTYPE_BFLOAT16 && amx_forward_applies(*p, rows);
+    return p->dtype == DTYPE_BFLOAT16 && (amx_forward_applies(*p, rows) || amx_decode_applies(*p, rows));
 #else
     (void)p;
     (void)rows;
