@@ -156,7 +156,8 @@ AMX_TILE_CASES = {
 @pytest.mark.parametrize("options", list(AMX_TILE_CASES.values()), ids=list(AMX_TILE_CASES))
 def test_bfloat16_large_tiles_match_oracle(options) -> None:
     """bfloat16 with enough work items for the AMX kernel's large tiles (AMX_TILE_ROWS query rows,
-    AMX_KEY_TILE keys, 600 keys ending on a partial tile) on the amx level; the vector kernels elsewhere."""
+    AMX_KEY_TILE keys, 600 keys ending on a partial tile) on the amx level, V packed once for the
+    query blocks (windows then start on a tile boundary); the vector kernels elsewhere."""
     fields = {
         "batch": 2, "heads_kv": 2, "group": 2, "seq_q": 300, "seq_k": 600, "head_dim": 64, "head_dim_v": 64,
         "dtype": "bfloat16", "layout": "bhsd", "causal": False, "window": None, "mask_kind": None,
@@ -170,6 +171,7 @@ def test_bfloat16_large_tiles_match_oracle(options) -> None:
         v = np.zeros((case.batch, case.heads_kv, case.seq_k, case.head_dim_v), ml_dtypes.bfloat16)
         problem = fastattn.explain(q, k, v).problem
         assert cpu_backend.tile_sizes(problem, 2) == (cpu_backend.AMX_TILE_ROWS, cpu_backend.AMX_KEY_TILE)
+        assert cpu_backend.forward_plan(problem, 2).packs_values, "five query blocks share each packed V tile"
     before = fastattn.get_num_threads()
     fastattn.set_num_threads(2)
     try:

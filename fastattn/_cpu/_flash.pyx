@@ -32,6 +32,7 @@ cdef extern from "thread_scratch.h" namespace "fastattn" nogil:
         SCRATCH_TILES
         SCRATCH_ROWS
         SCRATCH_PARTIALS
+        SCRATCH_VALUES
 
     char* thread_scratch(int slot, size_t size)
 
@@ -67,6 +68,7 @@ cdef extern from "params.h" namespace "fastattn" nogil:
         int64_t splits
         char* partial_out
         char* partial_lse
+        char* packed_values
         int skip_zero_weights
         int* nonfinite_output
         double dropout_p
@@ -105,6 +107,8 @@ cdef extern from "kernel_table.h" namespace "fastattn" nogil:
         size_t (*forward_scratch_bytes)(const FwdParams* params) noexcept nogil
         ItemFunction forward_item
         ItemFunction forward_combine
+        size_t (*forward_packed_bytes)(const FwdParams* params) noexcept nogil
+        ItemFunction forward_pack
         size_t (*backward_scratch_bytes)(const BwdParams* params) noexcept nogil
         ItemFunction backward_delta
         ItemFunction backward_gradients
@@ -326,6 +330,8 @@ cdef class ForwardPlan:
     cdef int thread_count
     cdef size_t scratch_bytes
     cdef size_t partial_elements
+    cdef size_t packed_bytes
+    cdef int64_t packed_tiles
     cdef tuple out_shape, lse_shape
     cdef object dtype, lse_dtype
     cdef int typenum, lse_typenum
@@ -339,6 +345,9 @@ cdef class ForwardPlan:
         self.thread_count = max(1, min(threads, self.items))
         self.scratch_bytes = (self.kernels.forward_scratch_bytes(&self.template) + 63) // 64 * 64
         self.partial_elements = forward_partial_rows(self.template) if splits > 1 else 0
+        self.packed_bytes = self.kernels.forward_packed_bytes(&self.template)
+        self.packed_tiles = self.template.batch * self.template.heads_kv * (
+            (self.template.seq_k + key_tile - 1) // key_tile)
         self.swap = problem.layout == "bshd"
         shape = (problem.batch, problem.heads_q, problem.seq_q, problem.head_dim_v)
         self.out_shape = (shape[0], shape[2], shape[1], shape[3]) if self.swap else shape
@@ -357,6 +366,11 @@ cdef class ForwardPlan:
     def isa(self):
         """The instruction-set level whose kernels a run calls."""
         return self.kernels.name.decode("ascii")
+
+    @property
+    def packs_values(self):
+        """Whether a run packs V once for all query blocks before its items (bfloat16 on AMX tiles)."""
+        return self.packed_bytes > 0
 
     def run(self, q, k, v, extras):
         """Run the flash forward.
@@ -390,6 +404,8 @@ cdef class ForwardPlan:
         if p.splits > 1:
             p.partial_out = _scratch(SCRATCH_ROWS, self.partial_elements * (p.head_dim_v + 1) * compute_bytes)
             p.partial_lse = p.partial_out + self.partial_elements * p.head_dim_v * compute_bytes
+        if self.packed_bytes:
+            p.packed_values = _scratch(SCRATCH_VALUES, self.packed_bytes)
         with nogil:
             self._pass(&p, scratch)
             if nonfinite:  # see note_stored in flash_forward.h: rerun skipping zero-weight products
@@ -398,6 +414,8 @@ cdef class ForwardPlan:
         return out, lse
 
     cdef void _pass(self, FwdParams* p, char* scratch) noexcept nogil:
+        if p.packed_values != NULL and not p.skip_zero_weights:
+            _for_items(self.kernels.forward_pack, p, NULL, 0, self.packed_tiles, self.thread_count, False)
         _for_items(self.kernels.forward_item, p, scratch, self.scratch_bytes, self.items, self.thread_count, True)
         if p.splits > 1:
             _for_items(self.kernels.forward_combine, p, NULL, 0, p.batch * p.heads_kv * p.query_blocks, self.thread_count, False)

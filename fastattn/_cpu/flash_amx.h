@@ -376,24 +376,25 @@ static inline void output_block(const uint16_t* vt, int64_t steps, int64_t cb, c
     if (CB > 1 && RT > 1) _tile_stored(3, first + 16 * mp + 16, o_bytes);
 }
 
-/* O^T[Dv][rows] += V^T P^T over the tile's keys (key_steps of 32). */
-static void tile_output(const uint16_t* vt, const uint16_t* pb, int64_t N, int64_t key_steps, int64_t Dv, float* o,
-                        int64_t mp) {
+/* O^T[Dv][rows] += V^T P^T over the tile's first key_steps of 32 keys; vt packed with `steps` of them
+ * (pack_values_transposed's layout: a packed tile may hold more keys than an item reads). */
+static void tile_output(const uint16_t* vt, int64_t steps, const uint16_t* pb, int64_t N, int64_t key_steps,
+                        int64_t Dv, float* o, int64_t mp) {
     const int64_t column_blocks = Dv / 16, row_tiles = mp / 16;
     for (int64_t cb = 0; cb < column_blocks; cb += 2) {
         const bool pair = cb + 1 < column_blocks;
         int64_t rt = 0;
         for (; rt + 2 <= row_tiles; rt += 2) {
             if (pair)
-                output_block<2, 2>(vt, key_steps, cb, pb, N, rt, key_steps, o, mp);
+                output_block<2, 2>(vt, steps, cb, pb, N, rt, key_steps, o, mp);
             else
-                output_block<1, 2>(vt, key_steps, cb, pb, N, rt, key_steps, o, mp);
+                output_block<1, 2>(vt, steps, cb, pb, N, rt, key_steps, o, mp);
         }
         if (rt < row_tiles) {
             if (pair)
-                output_block<2, 1>(vt, key_steps, cb, pb, N, rt, key_steps, o, mp);
+                output_block<2, 1>(vt, steps, cb, pb, N, rt, key_steps, o, mp);
             else
-                output_block<1, 1>(vt, key_steps, cb, pb, N, rt, key_steps, o, mp);
+                output_block<1, 1>(vt, steps, cb, pb, N, rt, key_steps, o, mp);
         }
     }
 }
@@ -449,6 +450,49 @@ static void pairs_product(const uint16_t* a, int64_t a_stride, int64_t m, int64_
     }
 }
 
+/* ---- V packed once per call ----------------------------------------------------------------------
+ *
+ * Every query block of a kv head transposes the same V tiles (pack_values_transposed, 6-10% of the
+ * forward's time).  Where the kernels run on AMX tiles and a kv head has several query blocks, a
+ * pass before the items packs each (b, kv head, key tile) once into packed_values; the items read it.
+ * A tile holds the keys below its batch row's key_lengths (the rest never are read, and may be
+ * anything); a slot is N x Dv elements whatever the tile's keys. */
+static bool amx_packs_values(const FwdParams& p) {
+    return p.dtype == DTYPE_BFLOAT16 && p.splits == 1 && p.query_blocks > 1 && !p.skip_zero_weights &&
+           amx_forward_applies(p, p.group * std::min(p.block_queries, p.seq_q));
+}
+
+static inline int64_t packed_value_tiles(const FwdParams& p) { return (p.seq_k + p.key_tile - 1) / p.key_tile; }
+
+static inline int64_t packed_value_keys(const FwdParams& p, int64_t b, int64_t tile) {
+    const int64_t kt = tile * p.key_tile, end = p.key_lengths ? std::min(p.seq_k, p.key_lengths[b]) : p.seq_k;
+    return std::max<int64_t>(0, std::min(p.key_tile, end - kt));
+}
+
+static size_t packed_values_bytes(const FwdParams& p) {
+    if (!amx_packs_values(p)) return 0;
+    return (size_t)(p.batch * p.heads_kv * packed_value_tiles(p) * p.key_tile * p.head_dim_v * 2);
+}
+
+/* The packed V^T of (b, kvh, tile) and its steps of 32 keys. */
+static inline const uint16_t* packed_value_tile(const FwdParams& p, int64_t b, int64_t kvh, int64_t tile,
+                                                int64_t* steps) {
+    *steps = (packed_value_keys(p, b, tile) + 31) / 32;
+    const int64_t slot = (b * p.heads_kv + kvh) * packed_value_tiles(p) + tile;
+    return reinterpret_cast<const uint16_t*>(p.packed_values) + slot * p.key_tile * p.head_dim_v;
+}
+
+/* The pass's item: one (b, kv head, key tile). */
+static void pack_value_item(const FwdParams& p, int64_t item) {
+    const int64_t tile = item % packed_value_tiles(p), kvh = (item / packed_value_tiles(p)) % p.heads_kv;
+    const int64_t b = item / (packed_value_tiles(p) * p.heads_kv), n = packed_value_keys(p, b, tile);
+    if (n == 0) return;
+    const int64_t slot = (b * p.heads_kv + kvh) * packed_value_tiles(p) + tile;
+    const uint16_t* v = at<uint16_t>(p.v, b * p.v_stride[0] + kvh * p.v_stride[1] + tile * p.key_tile * p.v_stride[2]);
+    pack_values_transposed(v, p.v_stride[2], n, p.head_dim_v,
+                           reinterpret_cast<uint16_t*>(p.packed_values) + slot * p.key_tile * p.head_dim_v);
+}
+
 /* ---- one work item --------------------------------------------------------------------------------- */
 
 static void forward_block_amx(const FwdParams& p, char* scratch, int64_t b, int64_t kvh, int64_t q0, int64_t qn,
@@ -470,6 +514,9 @@ static void forward_block_amx(const FwdParams& p, char* scratch, int64_t b, int6
 
     int64_t lo, hi;
     visible_keys(p, b, q0, qn, k_begin, k_end, &lo, &hi);
+    /* Packed tiles start at multiples of N: a window's first tile starts there too (its keys before
+     * the window are hidden by finish_scores' edge test). */
+    if (p.packed_values) lo = lo / N * N;
     /* Masks and softcap see scaled scores; otherwise the scale rides in the softmax's exponent. */
     const bool scale_first = p.softcap > 0 || p.mask_kind != MASK_NONE;
     const float scale = (float)p.scale;
@@ -498,8 +545,14 @@ static void forward_block_amx(const FwdParams& p, char* scratch, int64_t b, int6
             online_softmax<float>(s, n, mp, buffers.row_max, buffers.row_sum, o, Dv, score_scale, packer);
             packer.zero_tail(n, mp);
         }
-        pack_values_transposed(v, p.v_stride[2], n, Dv, buffers.vt);
-        tile_output(buffers.vt, buffers.pb, N, (n + 31) / 32, Dv, o, mp);
+        const uint16_t* vt = buffers.vt;
+        int64_t steps = (n + 31) / 32;
+        if (p.packed_values) { /* packed once for all query blocks: packed_value_tile */
+            vt = packed_value_tile(p, b, kvh, kt / N, &steps);
+        } else {
+            pack_values_transposed(v, p.v_stride[2], n, Dv, buffers.vt);
+        }
+        tile_output(vt, steps, buffers.pb, N, (n + 31) / 32, Dv, o, mp);
     }
     _tile_release();
     write_rows(p, b, kvh, q0, qn, rows, mp, o, buffers.row_max, buffers.row_sum, partial_out, partial_lse);

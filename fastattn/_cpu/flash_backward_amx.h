@@ -214,8 +214,8 @@ static void gradient_block_amx(const BwdParams& bp, char* scratch, int64_t b, in
                 gradients_to_bfloat16(p, t, score_log2e, live, mp);
                 pairs_product(t.p_keys, mp, keys16, mp / 32, t.do_rows, Dv, t.dv);
                 pairs_product(t.ds_keys, mp, keys16, mp / 32, t.q_rows, D, t.dk);
-                tile_output(t.k_transposed, t.ds_pairs, N, (live + 31) / 32, D, dq_partial_tile<float>(bp, chunk, b, kvh, qb),
-                            mp);
+                tile_output(t.k_transposed, (live + 31) / 32, t.ds_pairs, N, (live + 31) / 32, D,
+                            dq_partial_tile<float>(bp, chunk, b, kvh, qb), mp);
             }
         }
         write_key_gradients<float, bfloat16_bits>(bp, b, kvh, k0, n, t.dk, t.dv, scale);

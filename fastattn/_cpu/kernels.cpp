@@ -37,6 +37,24 @@ static void forward_item(const void* params, char* scratch, int64_t item) {
 #undef FASTATTN_CALL
 }
 
+static size_t forward_packed_bytes(const FwdParams* p) {
+#if defined(FASTATTN_HAS_AMX)
+    return packed_values_bytes(*p);
+#else
+    (void)p;
+    return 0;
+#endif
+}
+
+static void forward_pack(const void* params, char*, int64_t item) {
+#if defined(FASTATTN_HAS_AMX)
+    pack_value_item(*static_cast<const FwdParams*>(params), item);
+#else
+    (void)params;
+    (void)item;
+#endif
+}
+
 static void forward_combine(const void* params, char*, int64_t index) {
     const FwdParams& p = *static_cast<const FwdParams*>(params);
 #define FASTATTN_CALL(T, In) combine_item<T, In>(p, index)
@@ -113,6 +131,7 @@ static bool forward_on_amx(const FwdParams* p, int64_t rows) {
 const KernelTable* kernel_table() {
     static const KernelTable table = {
         FASTATTN_ISA_NAME,      FASTATTN_VECTOR_BYTES, forward_scratch_bytes, forward_item, forward_combine,
+        forward_packed_bytes,   forward_pack,
         backward_scratch_bytes, backward_delta,        backward_gradients,    backward_dq,     forward_on_amx,
         backward_on_amx,
     };

@@ -39,6 +39,7 @@ struct FwdParams {
     int64_t splits;       /* key splits per (b, kv head, query block); > 1 only for decode */
     char* partial_out;    /* splits > 1: [items][splits][rows][Dv] in the compute type */
     char* partial_lse;    /* splits > 1: [items][splits][rows] */
+    char* packed_values;  /* bfloat16 on AMX: V^T of every key tile, packed once per call (flash_amx.h), or NULL */
     int skip_zero_weights; /* products whose weight (P or dS) is exactly 0 are skipped, not added */
     int* nonfinite_output; /* set to 1 (relaxed atomic) when a NaN or infinity is stored in a result */
     double dropout_p;      /* 0: no dropout */

@@ -1,7 +1,8 @@
 /* Scratch memory that a calling thread keeps from one kernel call to the next.
  *
  * A call needs scratch for its OpenMP threads (tiles, running max and sum, the output accumulator),
- * plus the decode path's split partials or the backward's delta rows and dQ partials.  Allocating those per call
+ * plus the decode path's split partials, the AMX forward's packed values, or the backward's delta
+ * rows and dQ partials.  Allocating those per call
  * costs more than a small call's whole kernel: glibc consolidates its free lists for every block of
  * tens of KiB.  Instead each calling thread keeps one growing block per slot, reused while it is big
  * enough and freed when the thread exits, so a thread holds at most its largest call's scratch.
@@ -16,7 +17,7 @@
 
 namespace fastattn {
 
-enum ScratchSlot { SCRATCH_TILES = 0, SCRATCH_ROWS = 1, SCRATCH_PARTIALS = 2, SCRATCH_SLOTS = 3 };
+enum ScratchSlot { SCRATCH_TILES = 0, SCRATCH_ROWS = 1, SCRATCH_PARTIALS = 2, SCRATCH_VALUES = 3, SCRATCH_SLOTS = 4 };
 
 struct ScratchBlock {
     void* data = nullptr;
