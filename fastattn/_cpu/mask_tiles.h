@@ -250,6 +250,44 @@ static void mask_rows(const FwdParams& p, T* s, int64_t row_stride, const int64_
     }
 }
 
+/* ---- the next tile's mask rows, prefetched ----------------------------------------------------- */
+
+/* A full mask gives each row of a tile its own run of n entries, Sk entries apart: more streams than
+ * the hardware prefetcher follows.  Like SpreadPrefetch for K and V, this hands the next tile's runs
+ * (rows of a per-row mask with contiguous keys; nothing otherwise) to the prefetcher a few cache
+ * lines per call, between the current tile's score blocks. */
+struct MaskPrefetch {
+    const char* mask = nullptr;
+    MaskRows cursor;
+    int64_t rows = 0, row = 0, line = 0, lines_per_row = 0, start = 0, element = 1;
+
+    MaskPrefetch(const FwdParams& p, int64_t b, int64_t kvh, int64_t q0, int64_t qn, int64_t rows_, int64_t kt,
+                 int64_t n)
+        : cursor(p, b, kvh, q0, qn, 0) {
+        static const int element_bytes[] = {0, 1, 4, 8, 2, 2}; /* by MaskKind */
+        if (p.mask_kind == MASK_NONE || n <= 0 || mask_rows_shared(p) || p.mask_stride[3] != 1) return;
+        const int64_t bytes = element_bytes[p.mask_kind];
+        mask = p.mask;
+        rows = rows_;
+        start = kt * bytes;
+        lines_per_row = (n * bytes + 63) / 64 + 1; /* + 1: a run need not start on a line */
+        element = bytes;
+    }
+
+    int64_t total_lines() const { return rows * lines_per_row; }
+
+    __attribute__((always_inline)) inline void issue(int64_t count) {
+        for (; count > 0 && row < rows; --count) {
+            __builtin_prefetch(mask + cursor.offset * element + start + line * 64);
+            if (++line == lines_per_row) {
+                line = 0;
+                ++row;
+                cursor.next();
+            }
+        }
+    }
+};
+
 /* ---- tiles the mask hides entirely ------------------------------------------------------------- */
 
 /* Whether a bool mask hides every key kt..kt+n-1 from every row of the tile (rows G x qn queries
