@@ -284,6 +284,32 @@ static void write_key_gradients(const BwdParams& bp, int64_t b, int64_t kvh, int
     }
 }
 
+/* Whether pass 2's chunk visits query block qb of batch row b: some key block of the chunk has live
+ * keys that the block's queries can see (seeing_queries).  Only those dQ^T tiles of the chunk are
+ * cleared in pass 2 and summed in pass 3 (under causal masking a chunk of late keys leaves the early
+ * query blocks alone: 3/8 of the tiles with four chunks). */
+static inline bool chunk_visits(const BwdParams& bp, int64_t b, int64_t chunk, int64_t qb) {
+    const FwdParams& p = bp.f;
+    const int64_t N = p.key_tile, BQ = p.block_queries;
+    const int64_t kb_end = std::min(bp.key_blocks, (chunk + 1) * bp.chunk_blocks);
+    for (int64_t kb = chunk * bp.chunk_blocks; kb < kb_end; ++kb) {
+        const int64_t k0 = kb * N, live = live_keys(p, b, k0, std::min(N, p.seq_k - k0));
+        if (live <= 0) continue;
+        int64_t i_lo, i_hi;
+        seeing_queries(p, k0, live, &i_lo, &i_hi);
+        if (qb >= std::max<int64_t>(i_lo, 0) / BQ && qb * BQ < i_hi) return true;
+    }
+    return false;
+}
+
+/* Clear the dQ^T tiles that the chunk will add to (chunk_visits). */
+template <typename T> static void clear_dq_partials(const BwdParams& bp, int64_t b, int64_t kvh, int64_t chunk) {
+    const FwdParams& p = bp.f;
+    for (int64_t qb = 0; qb < p.query_blocks; ++qb)
+        if (chunk_visits(bp, b, chunk, qb))
+            std::memset(dq_partial_tile<T>(bp, chunk, b, kvh, qb), 0, sizeof(T) * p.head_dim * dq_tile_rows<T>(p));
+}
+
 /* Pass 2: dK and dV of the key blocks of one chunk of one kv head, and the chunk's dQ partial. */
 template <typename T, typename In, int NV>
 static void gradient_block(const BwdParams& bp, T* scratch, int64_t b, int64_t kvh, int64_t chunk) {
@@ -293,7 +319,7 @@ static void gradient_block(const BwdParams& bp, T* scratch, int64_t b, int64_t k
     T* dv = dk + N * D;
     BackwardTiles<T, In, NV> t(p, scratch, N * (D + Dv));
     TilePack<T, In, NV>& pack = t.pack;
-    std::memset(dq_partial_tile<T>(bp, chunk, b, kvh, 0), 0, sizeof(T) * p.query_blocks * D * dq_tile_rows<T>(p));
+    clear_dq_partials<T>(bp, b, kvh, chunk);
     const int64_t kb_end = std::min(bp.key_blocks, (chunk + 1) * bp.chunk_blocks);
     for (int64_t kb = chunk * bp.chunk_blocks; kb < kb_end; ++kb) {
         const int64_t k0 = kb * N, n = std::min(N, p.seq_k - k0);
@@ -324,8 +350,8 @@ static void gradient_block(const BwdParams& bp, T* scratch, int64_t b, int64_t k
 }
 
 /* Pass 3: dQ of one (b, kv head, query block), all heads of the group stacked: the chunks' dQ^T
- * tiles (rows padded to a multiple of row_align, as pass 2 laid them out) added in chunk order,
- * then scaled and written. */
+ * tiles (rows padded to a multiple of row_align, as pass 2 laid them out) of the chunks that visit
+ * it added in chunk order, then scaled and written. */
 template <typename T, typename In>
 static void dq_block(const BwdParams& bp, T* scratch, int64_t b, int64_t kvh, int64_t qb, int64_t row_align) {
     typedef typename Vec<T>::type V;
@@ -334,11 +360,17 @@ static void dq_block(const BwdParams& bp, T* scratch, int64_t b, int64_t kvh, in
     const int64_t D = p.head_dim, q0 = qb * p.block_queries, qn = std::min(p.block_queries, p.seq_q - q0);
     const int64_t rows = p.group * qn, mp = round_up(rows, row_align);
     T* dqt = scratch; /* [D][mp] */
-    std::memcpy(dqt, dq_partial_tile<T>(bp, 0, b, kvh, qb), sizeof(T) * D * mp);
-    for (int64_t chunk = 1; chunk < bp.chunks; ++chunk) {
+    bool first = true;
+    for (int64_t chunk = 0; chunk < bp.chunks; ++chunk) {
+        if (!chunk_visits(bp, b, chunk, qb)) continue;
         const T* part = dq_partial_tile<T>(bp, chunk, b, kvh, qb);
-        for (int64_t e = 0; e < D * mp; e += L) vstore(dqt + e, vload<V>(dqt + e) + vload<V>(part + e));
+        if (first)
+            std::memcpy(dqt, part, sizeof(T) * D * mp);
+        else
+            for (int64_t e = 0; e < D * mp; e += L) vstore(dqt + e, vload<V>(dqt + e) + vload<V>(part + e));
+        first = false;
     }
+    if (first) std::memset(dqt, 0, sizeof(T) * D * mp); /* no chunk sees these queries: dQ = 0 */
     /* L rows at a time back to [rows][D] (L x L blocks transposed in registers), then stored. */
     T* block_rows = dqt + D * mp; /* [L][D] */
     bool finite = true;

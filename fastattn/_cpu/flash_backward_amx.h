@@ -175,8 +175,7 @@ static void gradient_block_amx(const BwdParams& bp, char* scratch, int64_t b, in
     const int64_t D = p.head_dim, Dv = p.head_dim_v, N = p.key_tile, BQ = p.block_queries;
     AmxBackwardBuffers t;
     t.carve(p, scratch);
-    std::memset(dq_partial_tile<float>(bp, chunk, b, kvh, 0), 0,
-                sizeof(float) * p.query_blocks * D * dq_tile_rows<float>(p));
+    clear_dq_partials<float>(bp, b, kvh, chunk);
     /* Masks and softcap see scaled scores; otherwise the scale rides in P's exponent. */
     const bool scale_first = p.softcap > 0 || p.mask_kind != MASK_NONE;
     const float scale = (float)p.scale, score_log2e = (scale_first ? 1.0f : scale) * kLog2e<float>;
