@@ -136,13 +136,15 @@ static void pack_column_pairs(RowOf row, int64_t mp, int64_t dims, uint16_t* out
 }
 
 /* Out[mp/2][dims][2]: rows 0..mp-1 (row(r) as for pack_column_pairs) as B tiles whose K dimension
- * is the rows, in pairs: row i of the result interleaves rows 2i and 2i + 1. */
-template <typename RowOf>
-static void pack_row_pairs(RowOf row, int64_t mp, int64_t dims, uint16_t* out) {
+ * is the rows, in pairs: row i of the result interleaves rows 2i and 2i + 1; between() runs before
+ * each (the decode spreads its prefetches there). */
+template <typename RowOf, typename Between>
+static void pack_row_pairs(RowOf row, int64_t mp, int64_t dims, uint16_t* out, Between&& between) {
     alignas(64) static const uint16_t low_index[32] = {0, 32, 1, 33, 2,  34, 3,  35, 4,  36, 5,  37, 6,  38, 7,  39,
                                                        8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
     const __m512i low = _mm512_load_si512(low_index), high = _mm512_add_epi16(low, _mm512_set1_epi16(16));
     for (int64_t i = 0; i < mp / 2; ++i) {
+        between();
         const uint16_t *even = row(2 * i), *odd = row(2 * i + 1);
         uint16_t* dst = out + i * dims * 2;
         for (int64_t c = 0; c < dims; c += 32) {
@@ -152,6 +154,10 @@ static void pack_row_pairs(RowOf row, int64_t mp, int64_t dims, uint16_t* out) {
             _mm512_storeu_si512(dst + 2 * c + 32, _mm512_permutex2var_epi16(a, high, b));
         }
     }
+}
+
+template <typename RowOf> static void pack_row_pairs(RowOf row, int64_t mp, int64_t dims, uint16_t* out) {
+    pack_row_pairs(row, mp, dims, out, [] {});
 }
 
 /* Qb[rt][D/2][16][2]: the B tiles of S^T = K Q^T, row tile rt, 32 dims a step (16 pair-rows). */
@@ -604,13 +610,14 @@ static void forward_decode_amx(const FwdParams& p, char* scratch, int64_t b, int
         if (p.mask_kind != MASK_NONE && mask_hides_tile(p, b, kvh, q0, qn, kt, n)) continue;
         const uint16_t* k = at<uint16_t>(p.k, b * p.k_stride[0] + kvh * p.k_stride[1] + kt * p.k_stride[2]);
         const uint16_t* v = at<uint16_t>(p.v, b * p.v_stride[0] + kvh * p.v_stride[1] + kt * p.v_stride[2]);
-        /* The next tile's rows, spread over this tile's blocks (as forward_block_dot spreads them). */
+        /* The next tile's rows, a few lines at a time between this tile's transposes and value pairs
+         * (as forward_block_dot spreads them: a burst would stall the core on full fill buffers). */
         SpreadPrefetch<uint16_t> ahead(p, b, kvh, kt + N, kt + N < hi ? std::min(N, hi - kt - N) : 0);
-        const int64_t lines_per_block = (ahead.total_lines() + 2 * blocks - 1) / (2 * blocks);
+        const int64_t calls = blocks + keys32 / 2, lines_per_call = (ahead.total_lines() + calls - 1) / calls;
 
         tile_scores(k, p.k_stride[2], n, buffers.qb, D, scores_t, 16, buffers.k_block);
         for (int64_t kb = 0; kb < blocks; ++kb) {
-            ahead.issue(lines_per_block);
+            ahead.issue(lines_per_call);
             __m512i block[16];
             for (int i = 0; i < 16; ++i) block[i] = _mm512_castps_si512(_mm512_loadu_ps(scores_t + (kb * 16 + i) * 16));
             transpose_16x16_dwords(block);
@@ -624,9 +631,8 @@ static void forward_decode_amx(const FwdParams& p, char* scratch, int64_t b, int
                 const __m512 weights = _mm512_maskz_loadu_ps(live, s + r * N + j);
                 _mm256_storeu_si256(reinterpret_cast<__m256i*>(probabilities + r * N + j), (__m256i)_mm512_cvtneps_pbh(weights));
             }
-        ahead.issue(lines_per_block * blocks);
         auto value_row = [&](int64_t j) -> const uint16_t* { return j < n ? v + j * p.v_stride[2] : nullptr; };
-        pack_row_pairs(value_row, keys32, Dv, value_pairs);
+        pack_row_pairs(value_row, keys32, Dv, value_pairs, [&] { ahead.issue(lines_per_call); });
         pairs_product(probabilities, N, 16, keys32 / 32, value_pairs, Dv, o);
     }
     _tile_release();
