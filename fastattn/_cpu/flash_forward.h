@@ -659,7 +659,8 @@ static void forward_block_dot(const FwdParams& p, T* scratch, int64_t b, int64_t
         const int64_t k_row_stride = p.k_stride[2], v_row_stride = p.v_stride[2];
         /* The next tile's rows, spread over this tile's score blocks (R calls per block). */
         SpreadPrefetch<In> ahead(p, b, kvh, kt + N, kt + N < hi ? std::min(N, hi - kt - N) : 0);
-        const int64_t lines_per_call = (ahead.total_lines() + R * (n / L) - 1) / std::max<int64_t>(1, R * (n / L));
+        const int64_t calls = std::max<int64_t>(1, R * (n / L) * (D / L));
+        const int64_t lines_per_call = (ahead.total_lines() + calls - 1) / calls;
 
         /* Scores: dot products along D.  Full blocks of L keys keep L accumulators per row and
          * reduce them together (reduce_lanes); the rest take one horizontal sum per score. */
@@ -679,10 +680,10 @@ static void forward_block_dot(const FwdParams& p, T* scratch, int64_t b, int64_t
                     key_stride = D;
                 }
                 for (int r = 0; r < R; ++r) {
-                    ahead.issue(lines_per_call);
                     V acc[L];
                     for (int jj = 0; jj < L; ++jj) acc[jj] = V{};
                     for (int64_t d = 0; d < D; d += L) {
+                        ahead.issue(lines_per_call);
                         const V qv = vload<V>(q + r * D + d);
                         for (int jj = 0; jj < L; ++jj) acc[jj] += vload<V>(keys + jj * key_stride + d) * qv;
                     }
