@@ -525,15 +525,16 @@ constexpr int kDotMaxRows = 8;
  * at s + r * s_stride), the R x CB output vectors in registers while the n value rows stream past
  * once.  Skip leaves out weights that are exactly 0 (the rerun after a non-finite output,
  * note_stored): a test per weight, which the usual pass does not pay. */
-template <typename T, typename In, int R, int CB, bool Skip>
+template <typename T, typename In, int R, int CB, bool Skip, typename Between>
 static inline void accumulate_pv(T* o, int64_t o_stride, const T* s, int64_t s_stride, const In* v, int64_t v_stride,
-                                 int64_t n) {
+                                 int64_t n, Between&& between) {
     typedef typename Vec<T>::type V;
     constexpr int L = Vec<T>::lanes;
     V acc[R][CB];
     for (int r = 0; r < R; ++r)
         for (int cb = 0; cb < CB; ++cb) acc[r][cb] = vload<V>(o + r * o_stride + cb * L);
     for (int64_t j = 0; j < n; ++j) {
+        between();
         const In* value = v + j * v_stride;
         V vv[CB];
         for (int cb = 0; cb < CB; ++cb) vv[cb] = load_vector<T>(value + cb * L);
@@ -659,8 +660,9 @@ static void forward_block_dot(const FwdParams& p, T* scratch, int64_t b, int64_t
         const int64_t k_row_stride = p.k_stride[2], v_row_stride = p.v_stride[2];
         /* The next tile's rows, spread over this tile's score blocks (R calls per block). */
         SpreadPrefetch<In> ahead(p, b, kvh, kt + N, kt + N < hi ? std::min(N, hi - kt - N) : 0);
-        const int64_t calls = std::max<int64_t>(1, R * (n / L) * (D / L));
+        const int64_t calls = std::max<int64_t>(1, R * (n / L) * (D / L) + dv_main / (CB * L) * n);
         const int64_t lines_per_call = (ahead.total_lines() + calls - 1) / calls;
+        auto issue = [&] { ahead.issue(lines_per_call); };
 
         /* Scores: dot products along D.  Full blocks of L keys keep L accumulators per row and
          * reduce them together (reduce_lanes); the rest take one horizontal sum per score. */
@@ -712,9 +714,9 @@ static void forward_block_dot(const FwdParams& p, T* scratch, int64_t b, int64_t
         /* O[r][:] += P[r][j] V[j][:], CB vectors of each row's O in registers. */
         for (int64_t c = 0; c < dv_main; c += CB * L) {
             if (skip)
-                accumulate_pv<T, In, R, CB, true>(o + c, Dv, s, N, v_rows + c, v_row_stride, n);
+                accumulate_pv<T, In, R, CB, true>(o + c, Dv, s, N, v_rows + c, v_row_stride, n, issue);
             else
-                accumulate_pv<T, In, R, CB, false>(o + c, Dv, s, N, v_rows + c, v_row_stride, n);
+                accumulate_pv<T, In, R, CB, false>(o + c, Dv, s, N, v_rows + c, v_row_stride, n, issue);
         }
         for (int64_t j = 0; j < n; ++j) {
             const In* value = v_rows + j * v_row_stride;
