@@ -85,6 +85,9 @@ _X86_LEVELS = [
     IsaLevel("avx2", ["-march=x86-64", "-mtune=generic", "-mavx2", "-mfma", "-mf16c"]),
     IsaLevel("avx512", ["-march=x86-64", "-mtune=generic", "-mavx2", "-mfma", "-mavx512f", "-mavx512bw",
                         "-mavx512dq", "-mavx512vl"]),
+    # AVX-512 with AVX512_BF16 (AMD Zen 4 and later, Intel Cooper Lake and later): bfloat16 on vdpbf16ps.
+    IsaLevel("avx512bf16", ["-march=x86-64", "-mtune=generic", "-mavx2", "-mfma", "-mavx512f", "-mavx512bw",
+                            "-mavx512dq", "-mavx512vl", "-mavx512bf16"]),
     # AVX-512 with AVX512_BF16 and AMX-BF16 tiles (Sapphire Rapids and later): bfloat16 on AMX.
     IsaLevel("amx", ["-march=x86-64", "-mtune=generic", "-mavx2", "-mfma", "-mavx512f", "-mavx512bw",
                      "-mavx512dq", "-mavx512vl", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"]),
@@ -134,6 +137,7 @@ _kernel_source = "fastattn/_cpu/kernels.cpp"
 _kernel_headers = [
     "fastattn/_cpu/flash_forward.h",
     "fastattn/_cpu/flash_amx.h",
+    "fastattn/_cpu/flash_bf16.h",
     "fastattn/_cpu/flash_backward.h",
     "fastattn/_cpu/flash_backward_amx.h",
     "fastattn/_cpu/mask_tiles.h",

@@ -180,6 +180,42 @@ def test_bfloat16_large_tiles_match_oracle(options) -> None:
         fastattn.set_num_threads(before)
 
 
+PAIRS_FORWARD_CASES = {
+    "plain-odd-keys": {"seq_k": 601},
+    "causal-gqa-bool-mask": {"causal": "bottom_right", "mask_kind": "bool", "mask_shape": (2, 1, 1, 601)},
+    "window-float-mask-softcap": {"window": (150, 20), "mask_kind": "float", "mask_shape": (300, 601), "softcap": 8.0},
+    "key-lengths-value-dim-96": {"key_lengths": (601, 77), "head_dim_v": 96, "causal": True},
+    "sixteen-row-tile-bshd-strided": {"seq_q": 5, "layout": "bshd", "strided": "strided", "head_dim": 128},
+}
+
+
+@pytest.mark.parametrize("options", list(PAIRS_FORWARD_CASES.values()), ids=list(PAIRS_FORWARD_CASES))
+def test_bfloat16_forward_on_the_dot_product_units_matches_oracle(options) -> None:
+    """bfloat16 forward items (GQA group 2, 601 keys: an odd last key tile, whose last key pair
+    holds one key) on the kernel the level runs them on: `vdpbf16ps` vectors on the avx512bf16 level
+    (one 16-row tile for 5 positions), AMX tiles on the amx level, float32 vectors below."""
+    fields = {
+        "batch": 2, "heads_kv": 2, "group": 2, "seq_q": 300, "seq_k": 601, "head_dim": 64, "head_dim_v": 64,
+        "dtype": "bfloat16", "layout": "bhsd", "causal": False, "window": None, "mask_kind": None,
+        "mask_shape": None, "key_lengths": None, "softcap": None, "scale": None, "strided": "contiguous",
+        "seed": int(np.random.default_rng().integers(2**32)),
+    }
+    case = Case(**{**fields, **options})
+    q = np.zeros((case.batch, case.heads_q, case.seq_q, case.head_dim), ml_dtypes.bfloat16)
+    k = np.zeros((case.batch, case.heads_kv, case.seq_k, case.head_dim), ml_dtypes.bfloat16)
+    v = np.zeros((case.batch, case.heads_kv, case.seq_k, case.head_dim_v), ml_dtypes.bfloat16)
+    problem = fastattn.explain(q, k, v).problem
+    block_queries = cpu_backend.plan(problem, 2)[0]
+    kernel = _flash.forward_kernel(problem, block_queries, cpu_backend.tile_sizes(problem, 2)[1])
+    assert kernel == {"avx512bf16": "dpbf16", "amx": "amx"}.get(isa.active(), "vector")
+    before = fastattn.get_num_threads()
+    fastattn.set_num_threads(2)
+    try:
+        check_forward("cpu", "cpu", case)
+    finally:
+        fastattn.set_num_threads(before)
+
+
 AMX_DECODE_CASES = {
     "one-row-split-keys": {"batch": 1, "heads_kv": 1, "seq_q": 1},
     "gqa-bool-mask-lengths": {"seq_q": 2, "mask_kind": "bool", "mask_shape": (2, 1, 1, 600), "key_lengths": (600, 77)},
@@ -207,8 +243,8 @@ def test_bfloat16_decode_on_amx_tiles_matches_oracle(options) -> None:
     k = np.zeros((case.batch, case.heads_kv, case.seq_k, case.head_dim), ml_dtypes.bfloat16)
     v = np.zeros((case.batch, case.heads_kv, case.seq_k, case.head_dim_v), ml_dtypes.bfloat16)
     problem = fastattn.explain(q, k, v).problem
-    on_amx = _flash.forward_on_amx(problem, case.seq_q, cpu_backend.AMX_KEY_TILE)
-    assert on_amx == (isa.active() == "amx")
+    kernel = _flash.forward_kernel(problem, case.seq_q, cpu_backend.AMX_KEY_TILE)
+    assert kernel == ("amx-decode" if isa.active() == "amx" else "vector-decode")
     before = fastattn.get_num_threads()
     fastattn.set_num_threads(2)
     try:
@@ -219,12 +255,13 @@ def test_bfloat16_decode_on_amx_tiles_matches_oracle(options) -> None:
         fastattn.set_num_threads(before)
 
 
-def test_bfloat16_decode_dropout_drops_the_references_elements() -> None:
-    """Dropout in the bfloat16 decode (AMX where the level has it): the reference's mask, kept
-    elements within bfloat16 rounding."""
+@pytest.mark.parametrize("seq_q", [1, 77])
+def test_bfloat16_dropout_drops_the_references_elements(seq_q: int) -> None:
+    """Dropout in the bfloat16 decode (1 position) and forward (77: AMX or `vdpbf16ps` where the level
+    has them): the reference's mask, kept elements within bfloat16 rounding."""
     rng = np.random.default_rng()
     bf16 = ml_dtypes.bfloat16
-    q = rng.standard_normal((2, 8, 1, 64)).astype(bf16)
+    q = rng.standard_normal((2, 8, seq_q, 64)).astype(bf16)
     k = rng.standard_normal((2, 2, 300, 64)).astype(bf16)
     v = rng.standard_normal((2, 2, 300, 64)).astype(bf16)
     drop = {"dropout_p": 0.3, "dropout_seed": int(rng.integers(2**63)), "causal": "bottom_right"}
@@ -241,7 +278,7 @@ def test_bfloat16_decode_dropout_drops_the_references_elements() -> None:
 def test_planner_picks_amx_tiles_by_the_kernels_rule(
     dtype: str, head_dim: int, head_dim_v: int, expected: bool
 ) -> None:
-    """The planner asks the kernels (``_flash.forward_on_amx``) rather than restating their rule."""
+    """The planner asks the kernels (``_flash.forward_kernel``) rather than restating their rule."""
     numpy_dtype = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float32
     q = np.zeros((2, 4, 300, head_dim), numpy_dtype)
     k = np.zeros((2, 2, 600, head_dim), numpy_dtype)

@@ -24,7 +24,7 @@ from fastattn.backends import cpu
 
 from .conformance import _oracle
 
-X86_LEVELS = ["generic", "avx2", "avx512", "amx"]
+X86_LEVELS = ["generic", "avx2", "avx512", "avx512bf16", "amx"]
 
 
 @pytest.fixture
@@ -47,7 +47,7 @@ def test_levels_are_named_ordered_and_the_highest_runnable_is_the_default() -> N
 def test_vector_width_follows_the_level() -> None:
     widths = {level.name: level.vector_bytes for level in isa.levels()}
     if "avx512" in widths:
-        assert widths == {"generic": 32, "avx2": 32, "avx512": 64, "amx": 64}
+        assert widths == {"generic": 32, "avx2": 32, "avx512": 64, "avx512bf16": 64, "amx": 64}
 
 
 @pytest.mark.parametrize("name", isa.runnable())
@@ -127,6 +127,8 @@ def _level_of(function: str) -> str | None:
 #: AVX: VEX-encoded mnemonics start with "v" (legacy SSE never does); AVX-512 adds zmm and mask registers.
 AVX = re.compile(r"^v[a-z]|%ymm|%zmm|%k[0-7]")
 AVX512 = re.compile(r"%zmm|%k[0-7]|\{%k")
+#: AVX512_BF16: the bfloat16 dot product and conversions (the avx512bf16 and amx levels).
+BF16 = re.compile(r"^vdpbf16ps|^vcvtne2?ps2bf16")
 #: AMX: the tile instructions and registers (only the amx level may use them).
 AMX = re.compile(r"%tmm|tilecfg|^tile|^tdp")
 
@@ -139,8 +141,9 @@ def test_each_level_uses_no_instruction_above_it() -> None:
     if names != X86_LEVELS:
         pytest.skip(f"not a multi-level x86-64 build: {names}")
     functions = _functions(Path(_flash.__file__))
-    assert {"generic", "avx2", "avx512", "amx"} <= {_level_of(name) for name in functions}
-    forbidden = {None: AVX, "generic": AVX, "avx2": AVX512, "avx512": AMX}
+    assert set(X86_LEVELS) <= {_level_of(name) for name in functions}
+    above_avx512 = re.compile(f"{BF16.pattern}|{AMX.pattern}")
+    forbidden = {None: AVX, "generic": AVX, "avx2": AVX512, "avx512": above_avx512, "avx512bf16": AMX}
     for name, instructions in functions.items():
         level = _level_of(name)
         if level not in forbidden:
@@ -149,3 +152,5 @@ def test_each_level_uses_no_instruction_above_it() -> None:
         assert not found, f"{name} ({level or 'outside the kernel levels'}) uses {found[:3]}"
     amx_level = [line for name, lines in functions.items() if _level_of(name) == "amx" for line in lines]
     assert any(AMX.search(line) for line in amx_level), "the amx level's kernels use no tile instruction"
+    bf16_level = [line for name, lines in functions.items() if _level_of(name) == "avx512bf16" for line in lines]
+    assert any(line.startswith("vdpbf16ps") for line in bf16_level), "the avx512bf16 level runs no vdpbf16ps"

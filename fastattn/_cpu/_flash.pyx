@@ -113,7 +113,7 @@ cdef extern from "kernel_table.h" namespace "fastattn" nogil:
         ItemFunction backward_delta
         ItemFunction backward_gradients
         ItemFunction backward_dq
-        bint (*forward_on_amx)(const FwdParams* params, int64_t rows) noexcept nogil
+        const char* (*forward_kernel)(const FwdParams* params, int64_t rows) noexcept nogil
         bint (*backward_on_amx)(const BwdParams* params) noexcept nogil
 
 cdef extern from "dispatch.h" namespace "fastattn" nogil:
@@ -140,7 +140,7 @@ def isa_levels():
     -------
     list of (str, int, bool)
         ``(name, vector_bytes, runs)``: the level's name (``"generic"``, ``"avx2"``, ``"avx512"``,
-        ``"amx"``, or ``"native"`` for a ``FASTATTN_NATIVE=1`` build), the width of its vectors in bytes, and
+        ``"avx512bf16"``, ``"amx"``, or ``"native"`` for a ``FASTATTN_NATIVE=1`` build), the width of its vectors in bytes, and
         whether this CPU can run it.
     """
     return [
@@ -174,12 +174,13 @@ def active_isa():
     return _active.name.decode("ascii")
 
 
-def forward_on_amx(problem, int64_t block_queries, int64_t key_tile):
-    """Whether the active level runs ``problem``'s forward items of ``block_queries`` positions and
-    ``key_tile`` keys on AMX tiles (the kernels' own rule, ``amx_forward_applies``)."""
+def forward_kernel(problem, int64_t block_queries, int64_t key_tile):
+    """Which kernel of the active level runs ``problem``'s forward items of ``block_queries``
+    positions and ``key_tile`` keys (the kernels' own rule, ``forward_kernel_of``): ``"vector"``,
+    ``"vector-decode"``, ``"dpbf16"``, ``"amx"`` or ``"amx-decode"``."""
     cdef FwdParams p
     _fill_from_problem(&p, problem, block_queries, key_tile)
-    return bool(_active.forward_on_amx(&p, p.group * min(block_queries, p.seq_q)))
+    return _active.forward_kernel(&p, p.group * min(block_queries, p.seq_q)).decode("ascii")
 
 
 def backward_on_amx(problem, int64_t block_queries, int64_t key_tile):

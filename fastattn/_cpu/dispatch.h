@@ -28,6 +28,9 @@ namespace isa_avx2 { const KernelTable* kernel_table(); }
 #if defined(FASTATTN_LEVEL_AVX512)
 namespace isa_avx512 { const KernelTable* kernel_table(); }
 #endif
+#if defined(FASTATTN_LEVEL_AVX512BF16)
+namespace isa_avx512bf16 { const KernelTable* kernel_table(); }
+#endif
 #if defined(FASTATTN_LEVEL_AMX)
 namespace isa_amx { const KernelTable* kernel_table(); }
 #endif
@@ -43,6 +46,7 @@ static inline bool cpu_runs_avx512() {
     return cpu_runs_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
 }
+static inline bool cpu_runs_avx512bf16() { return cpu_runs_avx512() && __builtin_cpu_supports("avx512bf16"); }
 /* AMX also needs the kernel's leave to use the tile data registers (Linux asks each process to
  * request it, ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA); CPUID and XCR0 alone are not enough. */
 static inline bool os_grants_amx() {
@@ -54,12 +58,13 @@ static inline bool os_grants_amx() {
 #endif
 }
 static inline bool cpu_runs_amx() {
-    return cpu_runs_avx512() && __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("amx-tile") &&
+    return cpu_runs_avx512bf16() && __builtin_cpu_supports("amx-tile") &&
            __builtin_cpu_supports("amx-bf16") && os_grants_amx();
 }
 #else
 static inline bool cpu_runs_avx2() { return false; }
 static inline bool cpu_runs_avx512() { return false; }
+static inline bool cpu_runs_avx512bf16() { return false; }
 static inline bool cpu_runs_amx() { return false; }
 #endif
 
@@ -79,6 +84,9 @@ static inline int build_levels(IsaLevel* levels) {
 #endif
 #if defined(FASTATTN_LEVEL_AVX512)
     levels[count++] = IsaLevel{isa_avx512::kernel_table(), cpu_runs_avx512()};
+#endif
+#if defined(FASTATTN_LEVEL_AVX512BF16)
+    levels[count++] = IsaLevel{isa_avx512bf16::kernel_table(), cpu_runs_avx512bf16()};
 #endif
 #if defined(FASTATTN_LEVEL_AMX)
     levels[count++] = IsaLevel{isa_amx::kernel_table(), cpu_runs_amx()};

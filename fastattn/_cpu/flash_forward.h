@@ -757,6 +757,12 @@ static inline int64_t split_length(const FwdParams& p) {
     return round_up((p.seq_k + p.splits - 1) / p.splits, p.key_tile);
 }
 
+#if defined(FASTATTN_HAS_AVX512BF16)
+/* bfloat16 items on AVX512_BF16 vectors: flash_bf16.h, which kernels.cpp includes. */
+static bool dpbf16_forward_applies(const FwdParams& p, int64_t rows);
+static void forward_block_dpbf16(const FwdParams& p, char* scratch, int64_t b, int64_t kvh, int64_t q0, int64_t qn,
+                                 int64_t k_begin, int64_t k_end, float* partial_out, float* partial_lse);
+#endif
 #if defined(FASTATTN_HAS_AMX)
 /* bfloat16 items on AMX tiles: flash_amx.h, which kernels.cpp includes at the AMX level. */
 static bool amx_forward_applies(const FwdParams& p, int64_t rows);
@@ -766,6 +772,20 @@ static bool amx_decode_applies(const FwdParams& p, int64_t rows);
 static void forward_decode_amx(const FwdParams& p, char* scratch, int64_t b, int64_t kvh, int64_t q0, int64_t qn,
                                int64_t k_begin, int64_t k_end, float* partial_out, float* partial_lse);
 #endif
+
+/* Which kernel runs a forward item of `rows` stacked query rows: the one rule, which the kernel
+ * table also answers (the planner picks its tile sizes by it, the tests check it). */
+enum ForwardKernel { KERNEL_VECTOR, KERNEL_VECTOR_DECODE, KERNEL_DPBF16, KERNEL_AMX, KERNEL_AMX_DECODE };
+
+static inline ForwardKernel forward_kernel_of(const FwdParams& p, int64_t rows) {
+#if defined(FASTATTN_HAS_AMX)
+    if (p.dtype == DTYPE_BFLOAT16 && amx_forward_applies(p, rows)) return KERNEL_AMX;
+    if (p.dtype == DTYPE_BFLOAT16 && amx_decode_applies(p, rows)) return KERNEL_AMX_DECODE;
+#elif defined(FASTATTN_HAS_AVX512BF16)
+    if (p.dtype == DTYPE_BFLOAT16 && dpbf16_forward_applies(p, rows)) return KERNEL_DPBF16;
+#endif
+    return rows <= kDotMaxRows ? KERNEL_VECTOR_DECODE : KERNEL_VECTOR;
+}
 
 template <typename T, typename In>
 static void run_item(const FwdParams& p, char* scratch, int64_t item) {
@@ -784,12 +804,21 @@ static void run_item(const FwdParams& p, char* scratch, int64_t item) {
         k_end = std::min(p.seq_k, k_begin + split_length(p));
         for (int64_t r = 0; r < rows; ++r) partial_lse[r] = -std::numeric_limits<T>::infinity();
     }
-#if defined(FASTATTN_HAS_AMX)
+#if defined(FASTATTN_HAS_AVX512BF16)
     if constexpr (std::is_same<In, bfloat16_bits>::value) {
-        if (amx_forward_applies(p, p.group * qn))
-            return forward_block_amx(p, scratch, index.b, index.kvh, q0, qn, k_begin, k_end, partial_out, partial_lse);
-        if (amx_decode_applies(p, p.group * qn))
-            return forward_decode_amx(p, scratch, index.b, index.kvh, q0, qn, k_begin, k_end, partial_out, partial_lse);
+        switch (forward_kernel_of(p, p.group * qn)) {
+#if defined(FASTATTN_HAS_AMX)
+            case KERNEL_AMX:
+                return forward_block_amx(p, scratch, index.b, index.kvh, q0, qn, k_begin, k_end, partial_out, partial_lse);
+            case KERNEL_AMX_DECODE:
+                return forward_decode_amx(p, scratch, index.b, index.kvh, q0, qn, k_begin, k_end, partial_out, partial_lse);
+#else
+            case KERNEL_DPBF16:
+                return forward_block_dpbf16(p, scratch, index.b, index.kvh, q0, qn, k_begin, k_end, partial_out,
+                                            partial_lse);
+#endif
+            default: break;
+        }
     }
 #endif
     T* buffer = reinterpret_cast<T*>(scratch);

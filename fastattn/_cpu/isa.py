@@ -1,8 +1,8 @@
 """Which instruction-set level of the CPU kernels runs: the highest this CPU supports, or ``FASTATTN_ISA``.
 
 The extension holds the kernels compiled for several levels (setup.py; on x86-64 ``generic``,
-``avx2``, ``avx512``, ``amx``); :func:`select` makes one of them the level new kernel plans use.  At
-import the environment variable ``FASTATTN_ISA`` names a level to force (a lower one, to test it
+``avx2``, ``avx512``, ``avx512bf16``, ``amx``); :func:`select` makes one of them the level new kernel
+plans use.  At import the environment variable ``FASTATTN_ISA`` names a level to force (a lower one, to test it
 or to compare); a name the build lacks or the CPU cannot run is warned about and the highest
 runnable level used instead.
 """

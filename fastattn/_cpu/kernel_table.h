@@ -18,7 +18,7 @@ namespace fastattn {
 typedef void (*ItemFunction)(const void* params, char* scratch, int64_t item);
 
 struct KernelTable {
-    const char* name; /* "generic", "avx2", "avx512", "amx" or "native" */
+    const char* name; /* "generic", "avx2", "avx512", "avx512bf16", "amx" or "native" */
     int vector_bytes; /* the width of the kernels' vectors: 32, or 64 with AVX-512 */
     size_t (*forward_scratch_bytes)(const FwdParams* params); /* per thread */
     ItemFunction forward_item;                                 /* one (b, kv head, query block, split) */
@@ -31,9 +31,10 @@ struct KernelTable {
     ItemFunction backward_delta; /* one query row's delta = dO . O */
     ItemFunction backward_gradients; /* one (b, kv head, chunk of key blocks): dK, dV, a dQ partial */
     ItemFunction backward_dq;        /* one (b, kv head, query block): dQ, the partials summed */
-    /* Whether a forward item of `rows` stacked query rows runs on AMX tiles (false below the amx level):
-     * the one rule, which the Python planner also asks to pick the AMX tile sizes. */
-    bool (*forward_on_amx)(const FwdParams* params, int64_t rows);
+    /* Which kernel runs a forward item of `rows` stacked query rows (flash_forward.h: forward_kernel_of):
+     * "vector", "vector-decode", "dpbf16" (avx512bf16 level), "amx" or "amx-decode" (amx level).  The
+     * Python planner asks it to pick the AMX tile sizes. */
+    const char* (*forward_kernel)(const FwdParams* params, int64_t rows);
     /* Whether the backward's gradient pass runs on AMX tiles (false below the amx level). */
     bool (*backward_on_amx)(const BwdParams* params);
 };

@@ -5,6 +5,7 @@
  * into fastattn._cpu._flash, whose dispatch (dispatch.h) calls the table of the level it chose.
  */
 #include "flash_amx.h"
+#include "flash_bf16.h"
 #include "flash_backward.h"
 #include "flash_backward_amx.h"
 #include "kernel_table.h"
@@ -24,8 +25,8 @@ inline namespace FASTATTN_ISA_NAMESPACE {
 static size_t forward_scratch_bytes(const FwdParams* p) {
     if (p->dtype == DTYPE_FLOAT64) return sizeof(double) * scratch_elements<double>(*p);
     const size_t vectors = sizeof(float) * scratch_elements<float>(*p);
-#if defined(FASTATTN_HAS_AMX)
-    if (p->dtype == DTYPE_BFLOAT16) return std::max(vectors, (size_t)AmxBuffers::bytes(*p));
+#if defined(FASTATTN_HAS_AVX512BF16)
+    if (p->dtype == DTYPE_BFLOAT16) return std::max(vectors, (size_t)PairBuffers::bytes(*p));
 #endif
     return vectors;
 }
@@ -116,14 +117,9 @@ static void backward_dq(const void* params, char* scratch, int64_t item) {
 #undef FASTATTN_CALL
 }
 
-static bool forward_on_amx(const FwdParams* p, int64_t rows) {
-#if defined(FASTATTN_HAS_AMX)
-    return p->dtype == DTYPE_BFLOAT16 && (amx_forward_applies(*p, rows) || amx_decode_applies(*p, rows));
-#else
-    (void)p;
-    (void)rows;
-    return false;
-#endif
+static const char* forward_kernel(const FwdParams* p, int64_t rows) {
+    static const char* const names[] = {"vector", "vector-decode", "dpbf16", "amx", "amx-decode"};
+    return names[forward_kernel_of(*p, rows)];
 }
 
 #undef FASTATTN_BY_DTYPE
@@ -132,7 +128,7 @@ const KernelTable* kernel_table() {
     static const KernelTable table = {
         FASTATTN_ISA_NAME,      FASTATTN_VECTOR_BYTES, forward_scratch_bytes, forward_item, forward_combine,
         forward_packed_bytes,   forward_pack,
-        backward_scratch_bytes, backward_delta,        backward_gradients,    backward_dq,     forward_on_amx,
+        backward_scratch_bytes, backward_delta,        backward_gradients,    backward_dq,     forward_kernel,
         backward_on_amx,
     };
     return &table;

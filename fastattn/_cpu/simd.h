@@ -26,8 +26,11 @@
 
 #if defined(__AVX512F__)
 #define FASTATTN_VECTOR_BYTES 64
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#if defined(__AVX512BF16__)
+#define FASTATTN_HAS_AVX512BF16 1 /* the avx512bf16 and amx levels: flash_bf16.h's pairs */
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define FASTATTN_HAS_AMX 1 /* the AMX level: flash_amx.h's bfloat16 forward */
+#endif
 #endif
 #else
 #define FASTATTN_VECTOR_BYTES 32

@@ -39,12 +39,12 @@ def build_summary() -> str:
 
 def tile_sizes(problem: AttentionProblem, threads: int) -> tuple[int, int]:
     """Return ``(tile_rows, key_tile)`` of the forward: ``AMX_TILE_ROWS``/``AMX_KEY_TILE`` where the
-    kernels would run those items on AMX (they say so: ``_flash.forward_on_amx``, the rule the
+    kernels would run those items on AMX (they say so: ``_flash.forward_kernel``, the rule the
     kernels apply) and the larger row blocks still give every thread four items, else
     ``TILE_ROWS``/``KEY_TILE``."""
     positions = max(1, AMX_TILE_ROWS // problem.group_size)
     enough_items = problem.batch * problem.heads_kv * math.ceil(problem.seq_q / positions) >= 4 * threads
-    if enough_items and _flash.forward_on_amx(problem, positions, AMX_KEY_TILE):
+    if enough_items and _flash.forward_kernel(problem, positions, AMX_KEY_TILE) == "amx":
         return AMX_TILE_ROWS, AMX_KEY_TILE
     return TILE_ROWS, KEY_TILE
 

@@ -1,0 +1,371 @@
+/* bfloat16 attention on the CPUs' bfloat16 dot-product units: the operands in pairs, and the forward
+ * on AVX512_BF16 vectors (AMD Zen 4 and later, Intel Cooper Lake and later).
+ *
+ * `vdpbf16ps` adds, in each of 16 float32 lanes, the products of two bfloat16 pairs: a vector of
+ * pairs (x[2i], x[2i+1]) against a vector of (y[2i], y[2i+1]).  So a product of depth k runs k/2
+ * instructions of 32 multiply-adds, twice FMA's 16, reading bfloat16 as it lies in memory with no
+ * conversion.  The operands go in pairs along the depth:
+ *   - "column pairs" (pack_column_pairs): rows of 16 as one vector per pair of columns,
+ *     Out[row tile][dims/2][16][2];
+ *   - "row pairs" (pack_row_pairs): two rows interleaved, Out[rows/2][dims][2].
+ * These are also the layouts of AMX's B tiles ("VNNI"): flash_amx.h takes the packing, the buffers
+ * and the output writing from here and runs the products on tiles instead.
+ *
+ * The forward (forward_block_dpbf16) keeps forward_block's work item and rows-as-lanes layout
+ * (flash_forward.h): the softmax, masks, dropout and the lse are the same code, on float32 S and O.
+ *   S^T[j][rows] = K Q^T       Q in column pairs, packed once per item: Qb[row tile][D/2][16][2];
+ *                              K read in place, pair (K[j][2p], K[j][2p+1]) broadcast as one dword;
+ *   O^T[c][rows] += V^T P^T    P in column pairs, rounded to bfloat16 as the GPU kernels do (the row
+ *                              sums take the float32 P): Pb[row tile][N/2][16][2], packed by the
+ *                              softmax as it computes P; V in row pairs, packed per key tile
+ *                              (an interleave, no transpose), pair (V[2i][c], V[2i+1][c]) broadcast.
+ * Q is not pre-scaled (a bfloat16 Q times scale would round again): the scale rides in the softmax's
+ * exponent, or, where masks or softcap need scaled scores, one pass scales S first.
+ *
+ * Micro-kernel (pairs_dot): MR = 8 rows of S^T (keys) or O^T (columns) x NV = 2 vectors of 16 rows,
+ * 16 float32 accumulators, two vector loads and 8 broadcasts a step, as forward_block's FMA kernel
+ * (`vdpbf16ps` has FMA's latency on the CPUs that have it, so the same 16 chains keep its pipes
+ * busy).  Key tiles and row blocks are forward_block's (the planner's TILE_ROWS / KEY_TILE).
+ *
+ * Taken when: bfloat16 inputs, D and Dv multiples of 32, key_tile of 32, more rows than the decode
+ * path's, and no rerun that must skip zero weights; otherwise forward_block runs on float32
+ * conversions.  At the amx level the AMX kernels (flash_amx.h) run the same items instead.
+ */
+#ifndef FASTATTN_FLASH_BF16_H
+#define FASTATTN_FLASH_BF16_H
+
+#include "flash_forward.h"
+
+#if defined(FASTATTN_HAS_AVX512BF16)
+
+namespace fastattn {
+inline namespace FASTATTN_ISA_NAMESPACE {
+
+static inline int64_t align64(int64_t bytes) { return (bytes + 63) / 64 * 64; }
+
+/* The item's buffers, carved from the thread's scratch (64-byte aligned). */
+struct PairBuffers {
+    float *s, *o, *row_max, *row_sum, *position;
+    uint16_t *qb, *pb, *vt, *k_block;
+
+    static int64_t bytes(const FwdParams& p) { return PairBuffers().carve(p, nullptr); }
+
+    int64_t carve(const FwdParams& p, char* base) {
+        const int64_t mp = round_up(p.group * p.block_queries, 32), N = p.key_tile;
+        const int64_t D = p.head_dim, Dv = p.head_dim_v;
+        const int64_t sizes[] = {4 * N * mp, 4 * Dv * mp, 4 * mp, 4 * mp, 4 * mp, 2 * mp * D, 2 * N * mp, 2 * Dv * N,
+                                 2 * 16 * D};
+        void** slots[] = {(void**)&s,   (void**)&o,  (void**)&row_max, (void**)&row_sum, (void**)&position,
+                          (void**)&qb,  (void**)&pb, (void**)&vt,      (void**)&k_block};
+        int64_t offset = 0;
+        for (int i = 0; i < 9; ++i) {
+            if (base) *slots[i] = base + offset;
+            offset += align64(sizes[i]);
+        }
+        return offset;
+    }
+};
+
+/* ---- packing ------------------------------------------------------------------------------------ */
+
+/* Rows r[0..15] of 16 dwords become their transpose (three shuffle stages, 64 instructions). */
+static inline void transpose_16x16_dwords(__m512i r[16]) {
+    __m512i a[16], c[16];
+    for (int k = 0; k < 16; k += 2) {
+        a[k] = _mm512_unpacklo_epi32(r[k], r[k + 1]);
+        a[k + 1] = _mm512_unpackhi_epi32(r[k], r[k + 1]);
+    }
+    for (int k = 0; k < 16; k += 4) { /* c[k + m], lane L: rows k..k+3 at column 4L + m */
+        c[k] = _mm512_unpacklo_epi64(a[k], a[k + 2]);
+        c[k + 1] = _mm512_unpackhi_epi64(a[k], a[k + 2]);
+        c[k + 2] = _mm512_unpacklo_epi64(a[k + 1], a[k + 3]);
+        c[k + 3] = _mm512_unpackhi_epi64(a[k + 1], a[k + 3]);
+    }
+    for (int m = 0; m < 4; ++m) {
+        const __m512i even0 = _mm512_shuffle_i32x4(c[m], c[4 + m], 0x88), odd0 = _mm512_shuffle_i32x4(c[m], c[4 + m], 0xDD);
+        const __m512i even1 = _mm512_shuffle_i32x4(c[8 + m], c[12 + m], 0x88),
+                      odd1 = _mm512_shuffle_i32x4(c[8 + m], c[12 + m], 0xDD);
+        r[m] = _mm512_shuffle_i32x4(even0, even1, 0x88);
+        r[4 + m] = _mm512_shuffle_i32x4(odd0, odd1, 0x88);
+        r[8 + m] = _mm512_shuffle_i32x4(even0, even1, 0xDD);
+        r[12 + m] = _mm512_shuffle_i32x4(odd0, odd1, 0xDD);
+    }
+}
+
+/* Out[rt][dims/2][16][2]: rows 0..mp-1 (row(r): a pointer to its `dims` bfloat16 values, or null
+ * for a zero row) as B tiles whose K dimension is the columns, in pairs: per 16 rows and 32
+ * columns, the rows' 16 dwords transposed in registers.  dims: a multiple of 32. */
+template <typename RowOf>
+static void pack_column_pairs(RowOf row, int64_t mp, int64_t dims, uint16_t* out) {
+    for (int64_t rt = 0; rt < mp / 16; ++rt) {
+        const uint16_t* src[16];
+        for (int i = 0; i < 16; ++i) src[i] = row(rt * 16 + i);
+        for (int64_t step = 0; step < dims / 32; ++step) {
+            __m512i r[16];
+            for (int i = 0; i < 16; ++i)
+                r[i] = src[i] ? _mm512_loadu_si512(src[i] + step * 32) : _mm512_setzero_si512();
+            transpose_16x16_dwords(r);
+            uint16_t* tile = out + (rt * (dims / 2) + step * 16) * 32;
+            for (int pair = 0; pair < 16; ++pair) _mm512_storeu_si512(tile + pair * 32, r[pair]);
+        }
+    }
+}
+
+/* Out[mp/2][dims][2]: rows 0..mp-1 (row(r) as for pack_column_pairs) as B tiles whose K dimension
+ * is the rows, in pairs: row i of the result interleaves rows 2i and 2i + 1; between() runs before
+ * each (the decode spreads its prefetches there). */
+template <typename RowOf, typename Between>
+static void pack_row_pairs(RowOf row, int64_t mp, int64_t dims, uint16_t* out, Between&& between) {
+    alignas(64) static const uint16_t low_index[32] = {0, 32, 1, 33, 2,  34, 3,  35, 4,  36, 5,  37, 6,  38, 7,  39,
+                                                       8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+    const __m512i low = _mm512_load_si512(low_index), high = _mm512_add_epi16(low, _mm512_set1_epi16(16));
+    for (int64_t i = 0; i < mp / 2; ++i) {
+        between();
+        const uint16_t *even = row(2 * i), *odd = row(2 * i + 1);
+        uint16_t* dst = out + i * dims * 2;
+        for (int64_t c = 0; c < dims; c += 32) {
+            const __m512i a = even ? _mm512_loadu_si512(even + c) : _mm512_setzero_si512();
+            const __m512i b = odd ? _mm512_loadu_si512(odd + c) : _mm512_setzero_si512();
+            _mm512_storeu_si512(dst + 2 * c, _mm512_permutex2var_epi16(a, low, b));
+            _mm512_storeu_si512(dst + 2 * c + 32, _mm512_permutex2var_epi16(a, high, b));
+        }
+    }
+}
+
+template <typename RowOf> static void pack_row_pairs(RowOf row, int64_t mp, int64_t dims, uint16_t* out) {
+    pack_row_pairs(row, mp, dims, out, [] {});
+}
+
+/* Qb[rt][D/2][16][2]: the B tiles of S^T = K Q^T, row tile rt, 32 dims a step (16 pair-rows). */
+static void pack_queries(const FwdParams& p, int64_t b, int64_t kvh, int64_t q0, int64_t qn, int64_t mp,
+                         uint16_t* qb) {
+    const int64_t rows = p.group * qn;
+    auto row = [&](int64_t r) -> const uint16_t* {
+        if (r >= rows) return nullptr;
+        const int64_t h = kvh * p.group + r / qn, i = q0 + r % qn;
+        return at<uint16_t>(p.q, b * p.q_stride[0] + h * p.q_stride[1] + i * p.q_stride[2]);
+    };
+    pack_column_pairs(row, mp, p.head_dim, qb);
+}
+
+/* Word index that interleaves the two halves of a 32-word vector: (w0, w16, w1, w17, ...). */
+static inline __m512i interleave_halves_index() {
+    alignas(64) static const uint16_t index[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
+                                                   8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+    return _mm512_load_si512(index);
+}
+
+/* Pb[rt][N/2][16][2]: the B tiles of O^T += V^T P^T, P rounded to bfloat16.  online_softmax hands
+ * over keys j and j + 1 of 16 rows (r, a multiple of 16) as they are computed, so P never returns to
+ * S; `zero_tail` then clears the pairs from n up to the next multiple of 32 keys. */
+struct PackProbabilities {
+    uint16_t* pb;
+    int64_t N;
+    __m512i interleave;
+
+    inline void operator()(int64_t j, int64_t r, __m512 p0, __m512 p1) const {
+        const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(p1, p0); /* words 0-15: p0, 16-31: p1 */
+        _mm512_storeu_si512(pb + (r / 16) * N * 16 + j * 16, _mm512_permutexvar_epi16(interleave, both));
+    }
+
+    void zero_tail(int64_t n, int64_t mp) const {
+        for (int64_t rt = 0; rt < mp / 16; ++rt)
+            for (int64_t j = round_up(n, 2); j < round_up(n, 32); j += 2)
+                _mm512_storeu_si512(pb + rt * N * 16 + j * 16, _mm512_setzero_si512());
+    }
+
+    /* From P already in S[j][rows] (the dropout path, which scales P after the row sums took it). */
+    void pack(const float* s, int64_t n, int64_t mp) const {
+        for (int64_t r = 0; r < mp; r += 16)
+            for (int64_t j = 0; j < n; j += 2)
+                (*this)(j, r, _mm512_loadu_ps(s + j * mp + r),
+                        j + 1 < n ? _mm512_loadu_ps(s + (j + 1) * mp + r) : _mm512_setzero_ps());
+        zero_tail(n, mp);
+    }
+};
+
+/* Normalise and write the item's rows from O^T[Dv][rows]: 16 x 16 blocks transposed in registers,
+ * each row scaled by 1 / row_sum, rounded to bfloat16 (or kept float32 for a key split's partial
+ * output) and stored whole; then each row's lse.  Same conventions as write_row. */
+static void write_rows(const FwdParams& p, int64_t b, int64_t kvh, int64_t q0, int64_t qn, int64_t rows, int64_t mp,
+                       const float* o, const float* row_max, const float* row_sum, float* partial_out,
+                       float* partial_lse) {
+    const int64_t Dv = p.head_dim_v;
+    const float neg_inf = -std::numeric_limits<float>::infinity();
+    __mmask16 nonfinite = 0;
+    for (int64_t rt = 0; rt < mp / 16 && rt * 16 < rows; ++rt) {
+        float inverse[16];
+        for (int i = 0; i < 16; ++i) {
+            const int64_t r = std::min(rt * 16 + i, rows - 1);
+            inverse[i] = row_sum[r] != 0.0f ? 1.0f / row_sum[r] : 0.0f;
+        }
+        for (int64_t cb = 0; cb < Dv / 16; ++cb) {
+            __m512i block[16];
+            for (int c = 0; c < 16; ++c) block[c] = _mm512_castps_si512(_mm512_loadu_ps(o + (cb * 16 + c) * mp + rt * 16));
+            transpose_16x16_dwords(block);
+            for (int i = 0; i < 16 && rt * 16 + i < rows; ++i) {
+                const int64_t r = rt * 16 + i;
+                const __m512 value = _mm512_mul_ps(_mm512_castsi512_ps(block[i]), _mm512_set1_ps(inverse[i]));
+                if (partial_out) {
+                    _mm512_storeu_ps(partial_out + r * Dv + cb * 16, value);
+                    continue;
+                }
+                nonfinite |= _mm512_cmp_ps_mask(_mm512_sub_ps(value, value), _mm512_setzero_ps(), _CMP_NEQ_UQ);
+                const int64_t h = kvh * p.group + r / qn, i_query = q0 + r % qn;
+                uint16_t* dst = reinterpret_cast<uint16_t*>(p.out) + b * p.out_stride[0] + h * p.out_stride[1] +
+                                i_query * p.out_stride[2] + cb * 16;
+                _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), (__m256i)_mm512_cvtneps_pbh(value));
+            }
+        }
+    }
+    if (nonfinite) note_stored(p, std::numeric_limits<double>::quiet_NaN());
+    for (int64_t r = 0; r < rows; ++r) {
+        const bool saw_key = row_sum[r] != 0.0f; /* NaN is not "no key": it poisons the row */
+        const float lse = saw_key ? row_max[r] + std::log(row_sum[r]) : neg_inf;
+        if (partial_out) {
+            partial_lse[r] = lse;
+            continue;
+        }
+        const int64_t h = kvh * p.group + r / qn, i = q0 + r % qn;
+        *(reinterpret_cast<float*>(p.lse) + b * p.lse_stride[0] + h * p.lse_stride[1] + i * p.lse_stride[2]) = lse;
+    }
+}
+
+/* ---- products on AVX512_BF16 vectors ------------------------------------------------------------ */
+
+/* Two bfloat16 values as one dword in every lane (memcpy: `at` may be only 2-byte aligned). */
+static inline __m512bh broadcast_pair(const uint16_t* at) {
+    uint32_t word;
+    std::memcpy(&word, at, sizeof(word));
+    return (__m512bh)_mm512_set1_epi32((int)word);
+}
+
+/* C^T[m][rows] (+)= sum_p X[m][p] . Y[p][rows] for MR rows m of C^T and NV tiles of 16 rows: pair p of
+ * X's row m at x + m * x_m + p * x_p (bfloat16 elements), broadcast; Y in column pairs, row tiles
+ * y_tile elements apart; C^T rows mp floats apart, overwritten or accumulated into. */
+template <int MR, int NV, bool Accumulate>
+static inline void pairs_dot(const uint16_t* x, int64_t x_m, int64_t x_p, const uint16_t* y, int64_t y_tile,
+                             int64_t pairs, float* c, int64_t mp) {
+    __m512 acc[MR][NV];
+    for (int m = 0; m < MR; ++m)
+        for (int v = 0; v < NV; ++v) acc[m][v] = Accumulate ? _mm512_loadu_ps(c + m * mp + v * 16) : _mm512_setzero_ps();
+    for (int64_t p = 0; p < pairs; ++p) {
+        __m512bh yv[NV];
+        for (int v = 0; v < NV; ++v) yv[v] = (__m512bh)_mm512_loadu_si512(y + v * y_tile + p * 32);
+        for (int m = 0; m < MR; ++m) {
+            const __m512bh xb = broadcast_pair(x + m * x_m + p * x_p);
+            for (int v = 0; v < NV; ++v) acc[m][v] = _mm512_dpbf16_ps(acc[m][v], yv[v], xb);
+        }
+    }
+    for (int m = 0; m < MR; ++m)
+        for (int v = 0; v < NV; ++v) _mm512_storeu_ps(c + m * mp + v * 16, acc[m][v]);
+}
+
+constexpr int kPairsMR = 8;
+
+/* pairs_dot over `count` rows of C^T: full blocks of kPairsMR (between() before each), then one
+ * remainder block. */
+template <int NV, bool Accumulate, typename Between>
+static void pairs_dot_rows(int64_t count, const uint16_t* x, int64_t x_m, int64_t x_p, const uint16_t* y,
+                           int64_t y_tile, int64_t pairs, float* c, int64_t mp, Between&& between) {
+    int64_t m = 0;
+    for (; m + kPairsMR <= count; m += kPairsMR) {
+        between();
+        pairs_dot<kPairsMR, NV, Accumulate>(x + m * x_m, x_m, x_p, y, y_tile, pairs, c + m * mp, mp);
+    }
+    switch (count - m) {
+#define FASTATTN_PAIRS_CASE(R) \
+    case R: pairs_dot<R, NV, Accumulate>(x + m * x_m, x_m, x_p, y, y_tile, pairs, c + m * mp, mp); break;
+        FASTATTN_PAIRS_CASE(1) FASTATTN_PAIRS_CASE(2) FASTATTN_PAIRS_CASE(3) FASTATTN_PAIRS_CASE(4)
+        FASTATTN_PAIRS_CASE(5) FASTATTN_PAIRS_CASE(6) FASTATTN_PAIRS_CASE(7)
+#undef FASTATTN_PAIRS_CASE
+        default: break;
+    }
+}
+
+/* The products for all mp rows: row tiles two at a time (one at the end, or for mp = 16). */
+template <bool Accumulate, typename Between>
+static void pairs_dot_tiles(int64_t count, const uint16_t* x, int64_t x_m, int64_t x_p, const uint16_t* y,
+                            int64_t y_tile, int64_t pairs, float* c, int64_t mp, Between&& between) {
+    int64_t rt = 0;
+    for (; rt + 2 <= mp / 16; rt += 2)
+        pairs_dot_rows<2, Accumulate>(count, x, x_m, x_p, y + rt * y_tile, y_tile, pairs, c + rt * 16, mp, between);
+    if (rt < mp / 16)
+        pairs_dot_rows<1, Accumulate>(count, x, x_m, x_p, y + rt * y_tile, y_tile, pairs, c + rt * 16, mp, between);
+}
+
+static bool dpbf16_forward_applies(const FwdParams& p, int64_t rows) {
+    return p.head_dim % 32 == 0 && p.head_dim_v % 32 == 0 && p.key_tile % 32 == 0 && !p.skip_zero_weights &&
+           rows > kDotMaxRows;
+}
+
+/* ---- one work item --------------------------------------------------------------------------------- */
+
+static void forward_block_dpbf16(const FwdParams& p, char* scratch, int64_t b, int64_t kvh, int64_t q0, int64_t qn,
+                                 int64_t k_begin, int64_t k_end, float* partial_out, float* partial_lse) {
+    const int64_t D = p.head_dim, Dv = p.head_dim_v, N = p.key_tile;
+    const int64_t rows = p.group * qn, mp = round_up(rows, rows <= 16 ? 16 : 32);
+    PairBuffers buffers;
+    buffers.carve(p, scratch);
+    float* s = buffers.s;
+    float* o = buffers.o;
+
+    pack_queries(p, b, kvh, q0, qn, mp, buffers.qb);
+    for (int64_t r = 0; r < mp; ++r) {
+        buffers.position[r] = (float)((r < rows ? q0 + r % qn : q0) + p.offset);
+        buffers.row_max[r] = -std::numeric_limits<float>::infinity();
+        buffers.row_sum[r] = 0.0f;
+    }
+    std::memset(o, 0, sizeof(float) * Dv * mp);
+
+    int64_t lo, hi;
+    visible_keys(p, b, q0, qn, k_begin, k_end, &lo, &hi);
+    const bool scale_first = p.softcap > 0 || p.mask_kind != MASK_NONE;
+    const float scale = (float)p.scale;
+    const PackProbabilities packer{buffers.pb, N, interleave_halves_index()};
+    for (int64_t kt = lo; kt < hi; kt += N) {
+        const int64_t n = std::min(N, hi - kt);
+        if (p.mask_kind != MASK_NONE && mask_hides_tile(p, b, kvh, q0, qn, kt, n)) continue;
+        const uint16_t* k = at<uint16_t>(p.k, b * p.k_stride[0] + kvh * p.k_stride[1] + kt * p.k_stride[2]);
+        const uint16_t* v = at<uint16_t>(p.v, b * p.v_stride[0] + kvh * p.v_stride[1] + kt * p.v_stride[2]);
+
+        /* S^T = K Q^T, the next tile's rows (and mask lines) prefetched a few at a time on the way. */
+        const int64_t next_n = kt + N < hi ? std::min(N, hi - kt - N) : 0;
+        SpreadPrefetch<uint16_t> ahead(p, b, kvh, kt + N, next_n);
+        MaskPrefetch mask_ahead(p, b, kvh, q0, qn, rows, kt + N, next_n);
+        const int64_t calls = std::max<int64_t>(1, (mp + 31) / 32 * (n / kPairsMR));
+        const int64_t lines_per_call = (ahead.total_lines() + calls - 1) / calls;
+        const int64_t mask_lines_per_call = (mask_ahead.total_lines() + calls - 1) / calls;
+        pairs_dot_tiles<false>(n, k, p.k_stride[2], 2, buffers.qb, D * 16, D / 2, s, mp, [&] {
+            ahead.issue(lines_per_call);
+            mask_ahead.issue(mask_lines_per_call);
+        });
+        if (scale_first) {
+            const __m512 factor = _mm512_set1_ps(scale);
+            for (int64_t e = 0; e < n * mp; e += 16) _mm512_storeu_ps(s + e, _mm512_mul_ps(_mm512_loadu_ps(s + e), factor));
+        }
+        finish_scores<float>(p, s, nullptr, mp, rows, n, kt, b, kvh, q0, qn, buffers.position);
+        const float score_scale = scale_first ? 1.0f : scale;
+        if (p.dropout_p > 0) {
+            online_softmax<float>(s, n, mp, buffers.row_max, buffers.row_sum, o, Dv, score_scale,
+                                  StoreProbabilities<float>{s, n, mp});
+            dropout_tile<float>(p, s, mp, 1, rows, n, kt, b, kvh, q0, qn, false);
+            packer.pack(s, n, mp);
+        } else {
+            online_softmax<float>(s, n, mp, buffers.row_max, buffers.row_sum, o, Dv, score_scale, packer);
+        }
+
+        /* O^T += V^T P^T over the tile's pairs of keys; an odd n's last pair: P[n] = 0, V[n] zero. */
+        const int64_t key_pairs = (n + 1) / 2;
+        auto value_row = [&](int64_t j) -> const uint16_t* { return j < n ? v + j * p.v_stride[2] : nullptr; };
+        pack_row_pairs(value_row, 2 * key_pairs, Dv, buffers.vt);
+        pairs_dot_tiles<true>(Dv, buffers.vt, 2, 2 * Dv, buffers.pb, N * 16, key_pairs, o, mp, [] {});
+    }
+    write_rows(p, b, kvh, q0, qn, rows, mp, o, buffers.row_max, buffers.row_sum, partial_out, partial_lse);
+}
+
+}  // namespace FASTATTN_ISA_NAMESPACE
+}  // namespace fastattn
+
+#endif
+#endif
