@@ -228,10 +228,10 @@ AMX_DECODE_CASES = {
 
 
 @pytest.mark.parametrize("options", list(AMX_DECODE_CASES.values()), ids=list(AMX_DECODE_CASES))
-def test_bfloat16_decode_on_amx_tiles_matches_oracle(options) -> None:
+def test_bfloat16_decode_on_the_dot_product_units_matches_oracle(options) -> None:
     """bfloat16 decode (at most kDotMaxRows stacked rows: group 4 x 1-2 queries) over 600 keys, whose
-    last key tile is partial, on the AMX decode kernel where the level has it, the vector one
-    elsewhere; the first case's single (b, kv head) item splits its keys across threads."""
+    last key tile is partial, on the AMX decode kernel or the `vdpbf16ps` one where the level has
+    them, the float32 vector one elsewhere; the first case's single (b, kv head) item splits its keys across threads."""
     fields = {
         "batch": 2, "heads_kv": 2, "group": 4, "seq_q": 1, "seq_k": 600, "head_dim": 64, "head_dim_v": 64,
         "dtype": "bfloat16", "layout": "bhsd", "causal": False, "window": None, "mask_kind": None,
@@ -244,7 +244,7 @@ def test_bfloat16_decode_on_amx_tiles_matches_oracle(options) -> None:
     v = np.zeros((case.batch, case.heads_kv, case.seq_k, case.head_dim_v), ml_dtypes.bfloat16)
     problem = fastattn.explain(q, k, v).problem
     kernel = _flash.forward_kernel(problem, case.seq_q, cpu_backend.AMX_KEY_TILE)
-    assert kernel == ("amx-decode" if isa.active() == "amx" else "vector-decode")
+    assert kernel == {"avx512bf16": "dpbf16-decode", "amx": "amx-decode"}.get(isa.active(), "vector-decode")
     before = fastattn.get_num_threads()
     fastattn.set_num_threads(2)
     try:

@@ -177,7 +177,7 @@ def active_isa():
 def forward_kernel(problem, int64_t block_queries, int64_t key_tile):
     """Which kernel of the active level runs ``problem``'s forward items of ``block_queries``
     positions and ``key_tile`` keys (the kernels' own rule, ``forward_kernel_of``): ``"vector"``,
-    ``"vector-decode"``, ``"dpbf16"``, ``"amx"`` or ``"amx-decode"``."""
+    ``"vector-decode"``, ``"dpbf16"``, ``"dpbf16-decode"``, ``"amx"`` or ``"amx-decode"``."""
     cdef FwdParams p
     _fill_from_problem(&p, problem, block_queries, key_tile)
     return _active.forward_kernel(&p, p.group * min(block_queries, p.seq_q)).decode("ascii")

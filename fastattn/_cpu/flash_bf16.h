@@ -240,18 +240,21 @@ static inline __m512bh broadcast_pair(const uint16_t* at) {
     return (__m512bh)_mm512_set1_epi32((int)word);
 }
 
-/* C^T[m][rows] (+)= sum_p X[m][p] . Y[p][rows] for MR rows m of C^T and NV tiles of 16 rows: pair p of
- * X's row m at x + m * x_m + p * x_p (bfloat16 elements), broadcast; Y in column pairs, row tiles
- * y_tile elements apart; C^T rows mp floats apart, overwritten or accumulated into. */
-template <int MR, int NV, bool Accumulate>
-static inline void pairs_dot(const uint16_t* x, int64_t x_m, int64_t x_p, const uint16_t* y, int64_t y_tile,
-                             int64_t pairs, float* c, int64_t mp) {
+/* C[m][lanes] (+)= sum_p X[m][p] . Y[p][lanes] for MR rows m of C and NV vectors of 16 lanes: pair p
+ * of X's row m at x + m * x_m + p * x_p (bfloat16 elements), broadcast; Y's pairs of 16 lanes at
+ * y + v * y_v + p * y_p; C's rows mp floats apart, overwritten or accumulated into.  between() runs
+ * before each step (the decode spreads its prefetches there).  In the forward C is S^T or O^T, its
+ * lanes the rows of the item (Y in column pairs: y_v a row tile, y_p 32). */
+template <int MR, int NV, bool Accumulate, typename Between>
+static inline void pairs_dot(const uint16_t* x, int64_t x_m, int64_t x_p, const uint16_t* y, int64_t y_v, int64_t y_p,
+                             int64_t pairs, float* c, int64_t mp, Between&& between) {
     __m512 acc[MR][NV];
     for (int m = 0; m < MR; ++m)
         for (int v = 0; v < NV; ++v) acc[m][v] = Accumulate ? _mm512_loadu_ps(c + m * mp + v * 16) : _mm512_setzero_ps();
     for (int64_t p = 0; p < pairs; ++p) {
+        between();
         __m512bh yv[NV];
-        for (int v = 0; v < NV; ++v) yv[v] = (__m512bh)_mm512_loadu_si512(y + v * y_tile + p * 32);
+        for (int v = 0; v < NV; ++v) yv[v] = (__m512bh)_mm512_loadu_si512(y + v * y_v + p * y_p);
         for (int m = 0; m < MR; ++m) {
             const __m512bh xb = broadcast_pair(x + m * x_m + p * x_p);
             for (int v = 0; v < NV; ++v) acc[m][v] = _mm512_dpbf16_ps(acc[m][v], yv[v], xb);
@@ -263,7 +266,7 @@ static inline void pairs_dot(const uint16_t* x, int64_t x_m, int64_t x_p, const 
 
 constexpr int kPairsMR = 8;
 
-/* pairs_dot over `count` rows of C^T: full blocks of kPairsMR (between() before each), then one
+/* pairs_dot over `count` rows of C^T (Y in column pairs, row tiles y_tile apart): full blocks of kPairsMR (between() before each), then one
  * remainder block. */
 template <int NV, bool Accumulate, typename Between>
 static void pairs_dot_rows(int64_t count, const uint16_t* x, int64_t x_m, int64_t x_p, const uint16_t* y,
@@ -271,11 +274,11 @@ static void pairs_dot_rows(int64_t count, const uint16_t* x, int64_t x_m, int64_
     int64_t m = 0;
     for (; m + kPairsMR <= count; m += kPairsMR) {
         between();
-        pairs_dot<kPairsMR, NV, Accumulate>(x + m * x_m, x_m, x_p, y, y_tile, pairs, c + m * mp, mp);
+        pairs_dot<kPairsMR, NV, Accumulate>(x + m * x_m, x_m, x_p, y, y_tile, 32, pairs, c + m * mp, mp, [] {});
     }
     switch (count - m) {
 #define FASTATTN_PAIRS_CASE(R) \
-    case R: pairs_dot<R, NV, Accumulate>(x + m * x_m, x_m, x_p, y, y_tile, pairs, c + m * mp, mp); break;
+    case R: pairs_dot<R, NV, Accumulate>(x + m * x_m, x_m, x_p, y, y_tile, 32, pairs, c + m * mp, mp, [] {}); break;
         FASTATTN_PAIRS_CASE(1) FASTATTN_PAIRS_CASE(2) FASTATTN_PAIRS_CASE(3) FASTATTN_PAIRS_CASE(4)
         FASTATTN_PAIRS_CASE(5) FASTATTN_PAIRS_CASE(6) FASTATTN_PAIRS_CASE(7)
 #undef FASTATTN_PAIRS_CASE
@@ -362,6 +365,117 @@ static void forward_block_dpbf16(const FwdParams& p, char* scratch, int64_t b, i
         pairs_dot_tiles<true>(Dv, buffers.vt, 2, 2 * Dv, buffers.pb, N * 16, key_pairs, o, mp, [] {});
     }
     write_rows(p, b, kvh, q0, qn, rows, mp, o, buffers.row_max, buffers.row_sum, partial_out, partial_lse);
+}
+
+/* ---- decode: a few rows ------------------------------------------------------------------------------
+ *
+ * With rows <= kDotMaxRows the vector path, forward_block_dot, converts every K and V element to
+ * float32 and runs R x (D + Dv) FMAs per key: for bfloat16 its arithmetic, not the memory, sets the
+ * pace.  Here its layout stays (vectors along D for the scores, the softmax along each row's keys,
+ * O rows [r][Dv] in registers) and the products take bfloat16 as it lies:
+ *   S[r][j] = K[j] . q[r]   per 16 keys, 16 accumulators a row of `vdpbf16ps` along D (K rows in
+ *                           place, q unscaled), folded by reduce_lanes, then scaled;
+ *   O[r][:] += P[r] V       P rounded to bfloat16 in pairs of keys, V in row pairs (pack_row_pairs),
+ *                           O's R x NV vectors in registers (pairs_dot).
+ * Every step also issues a few lines of the next tile's prefetches (forward_block_dot's SpreadPrefetch).
+ * Taken when: bfloat16, D and Dv multiples of 32, key_tile of 32, no rerun that skips zero weights.
+ */
+static bool dpbf16_decode_applies(const FwdParams& p, int64_t rows) {
+    return rows <= kDotMaxRows && p.head_dim % 32 == 0 && p.head_dim_v % 32 == 0 && p.key_tile % 32 == 0 &&
+           !p.skip_zero_weights;
+}
+
+template <int R>
+static void forward_decode_dpbf16(const FwdParams& p, char* scratch, int64_t b, int64_t kvh, int64_t q0, int64_t qn,
+                                  int64_t k_begin, int64_t k_end, float* partial_out, float* partial_lse) {
+    constexpr int NV = R > 4 ? 2 : 4; /* O vectors of 16 columns per row in registers */
+    const int64_t D = p.head_dim, Dv = p.head_dim_v, N = p.key_tile;
+    const int64_t dv_main = Dv / (16 * NV) * (16 * NV);
+    PairBuffers buffers;
+    buffers.carve(p, scratch);
+    uint16_t* q = buffers.qb;             /* [R][D] */
+    float* s = buffers.s;                 /* [R][N] */
+    float* o = buffers.o;                 /* [R][Dv] */
+    uint16_t* probabilities = buffers.pb; /* [R][N] */
+    uint16_t* value_pairs = buffers.vt;   /* [N/2][Dv][2] */
+    int64_t head[R], query[R];
+    float position[R], row_max[R], row_sum[R];
+    start_rows<float>(p, kvh, q0, qn, R, head, query, position, row_max, row_sum);
+    for (int r = 0; r < R; ++r)
+        std::memcpy(q + r * D, at<uint16_t>(p.q, b * p.q_stride[0] + head[r] * p.q_stride[1] + query[r] * p.q_stride[2]),
+                    sizeof(uint16_t) * D);
+    std::memset(o, 0, sizeof(float) * R * Dv);
+
+    int64_t lo, hi;
+    visible_keys(p, b, q0, qn, k_begin, k_end, &lo, &hi);
+    const __m512 scale = _mm512_set1_ps((float)p.scale);
+    const int* lane_key = reduced_lane_key<float>();
+    for (int64_t kt = lo; kt < hi; kt += N) {
+        const int64_t n = std::min(N, hi - kt), pairs = (n + 1) / 2;
+        if (p.mask_kind != MASK_NONE && mask_hides_tile(p, b, kvh, q0, qn, kt, n)) continue;
+        const uint16_t* k = at<uint16_t>(p.k, b * p.k_stride[0] + kvh * p.k_stride[1] + kt * p.k_stride[2]);
+        const uint16_t* v = at<uint16_t>(p.v, b * p.v_stride[0] + kvh * p.v_stride[1] + kt * p.v_stride[2]);
+        const int64_t k_stride = p.k_stride[2];
+        SpreadPrefetch<uint16_t> ahead(p, b, kvh, kt + N, kt + N < hi ? std::min(N, hi - kt - N) : 0);
+        const int64_t calls = std::max<int64_t>(1, R * (n / 16) * (D / 32) + pairs * (1 + dv_main / (16 * NV)));
+        const int64_t lines_per_call = (ahead.total_lines() + calls - 1) / calls;
+        auto issue = [&] { ahead.issue(lines_per_call); };
+
+        int64_t j = 0;
+        for (; j + 16 <= n; j += 16)
+            for (int r = 0; r < R; ++r) {
+                __m512 acc[16];
+                for (int u = 0; u < 16; ++u) acc[u] = _mm512_setzero_ps();
+                for (int64_t d = 0; d < D; d += 32) {
+                    issue();
+                    const __m512bh qv = (__m512bh)_mm512_loadu_si512(q + r * D + d);
+                    for (int u = 0; u < 16; ++u)
+                        acc[u] = _mm512_dpbf16_ps(acc[u], (__m512bh)_mm512_loadu_si512(k + (j + u) * k_stride + d), qv);
+                }
+                const __m512 sums = _mm512_mul_ps(reduce_lanes<float>(acc), scale);
+                alignas(64) float lanes[16];
+                _mm512_store_ps(lanes, sums);
+                for (int lane = 0; lane < 16; ++lane) s[r * N + j + lane_key[lane]] = lanes[lane];
+            }
+        for (; j < n; ++j)
+            for (int r = 0; r < R; ++r) {
+                __m512 acc = _mm512_setzero_ps();
+                for (int64_t d = 0; d < D; d += 32)
+                    acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(k + j * k_stride + d),
+                                           (__m512bh)_mm512_loadu_si512(q + r * D + d));
+                s[r * N + j] = _mm512_reduce_add_ps(acc) * (float)p.scale;
+            }
+
+        softmax_rows<float>(p, s, N, R, n, kt, b, kvh, q0, qn, head, query, position, row_max, row_sum, o);
+        for (int r = 0; r < R; ++r)
+            for (int64_t c = 0; c < 2 * pairs; c += 16) { /* key n of an odd n: 0 */
+                const __mmask16 live = c + 16 <= n ? (__mmask16)0xffff : (__mmask16)((1u << (n - c)) - 1);
+                const __m512 weights = _mm512_maskz_loadu_ps(live, s + r * N + c);
+                _mm256_storeu_si256(reinterpret_cast<__m256i*>(probabilities + r * N + c),
+                                    (__m256i)_mm512_cvtneps_pbh(weights));
+            }
+        auto value_row = [&](int64_t i) -> const uint16_t* { return i < n ? v + i * p.v_stride[2] : nullptr; };
+        pack_row_pairs(value_row, 2 * pairs, Dv, value_pairs, issue);
+        for (int64_t c = 0; c < dv_main; c += 16 * NV)
+            pairs_dot<R, NV, true>(probabilities, N, 2, value_pairs + 2 * c, 32, 2 * Dv, pairs, o + c, Dv, issue);
+        for (int64_t c = dv_main; c < Dv; c += 32)
+            pairs_dot<R, 2, true>(probabilities, N, 2, value_pairs + 2 * c, 32, 2 * Dv, pairs, o + c, Dv, issue);
+    }
+    for (int r = 0; r < R; ++r)
+        write_row<float, bfloat16_bits>(p, b, head[r], query[r], r, o + r * Dv, 1, row_max[r], row_sum[r], partial_out,
+                                        partial_lse);
+}
+
+static void forward_decode_dpbf16(const FwdParams& p, char* scratch, int64_t b, int64_t kvh, int64_t q0, int64_t qn,
+                                  int64_t k_begin, int64_t k_end, float* partial_out, float* partial_lse) {
+    switch (p.group * qn) {
+#define FASTATTN_DECODE_CASE(R) \
+    case R: return forward_decode_dpbf16<R>(p, scratch, b, kvh, q0, qn, k_begin, k_end, partial_out, partial_lse);
+        FASTATTN_DECODE_CASE(1) FASTATTN_DECODE_CASE(2) FASTATTN_DECODE_CASE(3) FASTATTN_DECODE_CASE(4)
+        FASTATTN_DECODE_CASE(5) FASTATTN_DECODE_CASE(6) FASTATTN_DECODE_CASE(7) FASTATTN_DECODE_CASE(8)
+#undef FASTATTN_DECODE_CASE
+        default: break;
+    }
 }
 
 }  // namespace FASTATTN_ISA_NAMESPACE

@@ -762,6 +762,9 @@ static inline int64_t split_length(const FwdParams& p) {
 static bool dpbf16_forward_applies(const FwdParams& p, int64_t rows);
 static void forward_block_dpbf16(const FwdParams& p, char* scratch, int64_t b, int64_t kvh, int64_t q0, int64_t qn,
                                  int64_t k_begin, int64_t k_end, float* partial_out, float* partial_lse);
+static bool dpbf16_decode_applies(const FwdParams& p, int64_t rows);
+static void forward_decode_dpbf16(const FwdParams& p, char* scratch, int64_t b, int64_t kvh, int64_t q0, int64_t qn,
+                                  int64_t k_begin, int64_t k_end, float* partial_out, float* partial_lse);
 #endif
 #if defined(FASTATTN_HAS_AMX)
 /* bfloat16 items on AMX tiles: flash_amx.h, which kernels.cpp includes at the AMX level. */
@@ -775,7 +778,14 @@ static void forward_decode_amx(const FwdParams& p, char* scratch, int64_t b, int
 
 /* Which kernel runs a forward item of `rows` stacked query rows: the one rule, which the kernel
  * table also answers (the planner picks its tile sizes by it, the tests check it). */
-enum ForwardKernel { KERNEL_VECTOR, KERNEL_VECTOR_DECODE, KERNEL_DPBF16, KERNEL_AMX, KERNEL_AMX_DECODE };
+enum ForwardKernel {
+    KERNEL_VECTOR,
+    KERNEL_VECTOR_DECODE,
+    KERNEL_DPBF16,
+    KERNEL_DPBF16_DECODE,
+    KERNEL_AMX,
+    KERNEL_AMX_DECODE
+};
 
 static inline ForwardKernel forward_kernel_of(const FwdParams& p, int64_t rows) {
 #if defined(FASTATTN_HAS_AMX)
@@ -783,6 +793,7 @@ static inline ForwardKernel forward_kernel_of(const FwdParams& p, int64_t rows) 
     if (p.dtype == DTYPE_BFLOAT16 && amx_decode_applies(p, rows)) return KERNEL_AMX_DECODE;
 #elif defined(FASTATTN_HAS_AVX512BF16)
     if (p.dtype == DTYPE_BFLOAT16 && dpbf16_forward_applies(p, rows)) return KERNEL_DPBF16;
+    if (p.dtype == DTYPE_BFLOAT16 && dpbf16_decode_applies(p, rows)) return KERNEL_DPBF16_DECODE;
 #endif
     return rows <= kDotMaxRows ? KERNEL_VECTOR_DECODE : KERNEL_VECTOR;
 }
@@ -816,6 +827,9 @@ static void run_item(const FwdParams& p, char* scratch, int64_t item) {
             case KERNEL_DPBF16:
                 return forward_block_dpbf16(p, scratch, index.b, index.kvh, q0, qn, k_begin, k_end, partial_out,
                                             partial_lse);
+            case KERNEL_DPBF16_DECODE:
+                return forward_decode_dpbf16(p, scratch, index.b, index.kvh, q0, qn, k_begin, k_end, partial_out,
+                                             partial_lse);
 #endif
             default: break;
         }

@@ -118,7 +118,7 @@ static void backward_dq(const void* params, char* scratch, int64_t item) {
 }
 
 static const char* forward_kernel(const FwdParams* p, int64_t rows) {
-    static const char* const names[] = {"vector", "vector-decode", "dpbf16", "amx", "amx-decode"};
+    static const char* const names[] = {"vector", "vector-decode", "dpbf16", "dpbf16-decode", "amx", "amx-decode"};
     return names[forward_kernel_of(*p, rows)];
 }
 
