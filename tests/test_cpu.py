@@ -145,6 +145,26 @@ def test_plan_splits_keys_only_when_threads_would_idle() -> None:
     assert cpu_backend.plan(problem(1, 2, 512, 512), 2) == (cpu_backend.TILE_ROWS // 4, 1)
 
 
+def _bfloat16_case(options: dict, **fields) -> Case:
+    """A bfloat16 case of 2 batch rows x 2 kv heads (group 2, 300 positions, 600 keys, D = Dv = 64 by
+    default), ``fields`` then ``options`` over that, a fresh seed."""
+    base = {
+        "batch": 2, "heads_kv": 2, "group": 2, "seq_q": 300, "seq_k": 600, "head_dim": 64, "head_dim_v": 64,
+        "dtype": "bfloat16", "layout": "bhsd", "causal": False, "window": None, "mask_kind": None,
+        "mask_shape": None, "key_lengths": None, "softcap": None, "scale": None, "strided": "contiguous",
+        "seed": int(np.random.default_rng().integers(2**32)),
+    }
+    return Case(**{**base, **fields, **options})
+
+
+def _problem_of(case: Case):
+    """The validated problem of ``case``'s shapes (zero arrays: only the shapes matter)."""
+    q = np.zeros((case.batch, case.heads_q, case.seq_q, case.head_dim), ml_dtypes.bfloat16)
+    k = np.zeros((case.batch, case.heads_kv, case.seq_k, case.head_dim), ml_dtypes.bfloat16)
+    v = np.zeros((case.batch, case.heads_kv, case.seq_k, case.head_dim_v), ml_dtypes.bfloat16)
+    return fastattn.explain(q, k, v).problem
+
+
 AMX_TILE_CASES = {
     "plain": {},
     "causal-gqa-bool-mask": {"causal": "bottom_right", "mask_kind": "bool", "mask_shape": (2, 1, 1, 600)},
@@ -158,18 +178,9 @@ def test_bfloat16_large_tiles_match_oracle(options) -> None:
     """bfloat16 with enough work items for the AMX kernel's large tiles (AMX_TILE_ROWS query rows,
     AMX_KEY_TILE keys, 600 keys ending on a partial tile) on the amx level, V packed once for the
     query blocks (windows then start on a tile boundary); the vector kernels elsewhere."""
-    fields = {
-        "batch": 2, "heads_kv": 2, "group": 2, "seq_q": 300, "seq_k": 600, "head_dim": 64, "head_dim_v": 64,
-        "dtype": "bfloat16", "layout": "bhsd", "causal": False, "window": None, "mask_kind": None,
-        "mask_shape": None, "key_lengths": None, "softcap": None, "scale": None, "strided": "contiguous",
-        "seed": int(np.random.default_rng().integers(2**32)),
-    }
-    case = Case(**{**fields, **options})
+    case = _bfloat16_case(options)
     if isa.active() == "amx":  # 20 items of 64 positions: four for each of up to 5 threads
-        q = np.zeros((case.batch, case.heads_q, case.seq_q, case.head_dim), ml_dtypes.bfloat16)
-        k = np.zeros((case.batch, case.heads_kv, case.seq_k, case.head_dim), ml_dtypes.bfloat16)
-        v = np.zeros((case.batch, case.heads_kv, case.seq_k, case.head_dim_v), ml_dtypes.bfloat16)
-        problem = fastattn.explain(q, k, v).problem
+        problem = _problem_of(case)
         assert cpu_backend.tile_sizes(problem, 2) == (cpu_backend.AMX_TILE_ROWS, cpu_backend.AMX_KEY_TILE)
         assert cpu_backend.forward_plan(problem, 2).packs_values, "five query blocks share each packed V tile"
     before = fastattn.get_num_threads()
@@ -194,17 +205,8 @@ def test_bfloat16_forward_on_the_dot_product_units_matches_oracle(options) -> No
     """bfloat16 forward items (GQA group 2, 601 keys: an odd last key tile, whose last key pair
     holds one key) on the kernel the level runs them on: `vdpbf16ps` vectors on the avx512bf16 level
     (one 16-row tile for 5 positions), AMX tiles on the amx level, float32 vectors below."""
-    fields = {
-        "batch": 2, "heads_kv": 2, "group": 2, "seq_q": 300, "seq_k": 601, "head_dim": 64, "head_dim_v": 64,
-        "dtype": "bfloat16", "layout": "bhsd", "causal": False, "window": None, "mask_kind": None,
-        "mask_shape": None, "key_lengths": None, "softcap": None, "scale": None, "strided": "contiguous",
-        "seed": int(np.random.default_rng().integers(2**32)),
-    }
-    case = Case(**{**fields, **options})
-    q = np.zeros((case.batch, case.heads_q, case.seq_q, case.head_dim), ml_dtypes.bfloat16)
-    k = np.zeros((case.batch, case.heads_kv, case.seq_k, case.head_dim), ml_dtypes.bfloat16)
-    v = np.zeros((case.batch, case.heads_kv, case.seq_k, case.head_dim_v), ml_dtypes.bfloat16)
-    problem = fastattn.explain(q, k, v).problem
+    case = _bfloat16_case(options, seq_k=601)
+    problem = _problem_of(case)
     block_queries = cpu_backend.plan(problem, 2)[0]
     kernel = _flash.forward_kernel(problem, block_queries, cpu_backend.tile_sizes(problem, 2)[1])
     assert kernel == {"avx512bf16": "dpbf16", "amx": "amx"}.get(isa.active(), "vector")
@@ -232,17 +234,8 @@ def test_bfloat16_decode_on_the_dot_product_units_matches_oracle(options) -> Non
     """bfloat16 decode (at most kDotMaxRows stacked rows: group 4 x 1-2 queries) over 600 keys, whose
     last key tile is partial, on the AMX decode kernel or the `vdpbf16ps` one where the level has
     them, the float32 vector one elsewhere; the first case's single (b, kv head) item splits its keys across threads."""
-    fields = {
-        "batch": 2, "heads_kv": 2, "group": 4, "seq_q": 1, "seq_k": 600, "head_dim": 64, "head_dim_v": 64,
-        "dtype": "bfloat16", "layout": "bhsd", "causal": False, "window": None, "mask_kind": None,
-        "mask_shape": None, "key_lengths": None, "softcap": None, "scale": None, "strided": "contiguous",
-        "seed": int(np.random.default_rng().integers(2**32)),
-    }
-    case = Case(**{**fields, **options})
-    q = np.zeros((case.batch, case.heads_q, case.seq_q, case.head_dim), ml_dtypes.bfloat16)
-    k = np.zeros((case.batch, case.heads_kv, case.seq_k, case.head_dim), ml_dtypes.bfloat16)
-    v = np.zeros((case.batch, case.heads_kv, case.seq_k, case.head_dim_v), ml_dtypes.bfloat16)
-    problem = fastattn.explain(q, k, v).problem
+    case = _bfloat16_case(options, group=4, seq_q=1)
+    problem = _problem_of(case)
     kernel = _flash.forward_kernel(problem, case.seq_q, cpu_backend.AMX_KEY_TILE)
     assert kernel == {"avx512bf16": "dpbf16-decode", "amx": "amx-decode"}.get(isa.active(), "vector-decode")
     before = fastattn.get_num_threads()

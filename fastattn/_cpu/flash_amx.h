@@ -320,25 +320,15 @@ static void forward_block_amx(const FwdParams& p, char* scratch, int64_t b, int6
     const int64_t rows = G * qn, mp = round_up(rows, rows <= 16 ? 16 : 32);
     PairBuffers buffers;
     buffers.carve(p, scratch);
+    start_pairs_item(p, buffers, b, kvh, q0, qn, mp);
     float* s = buffers.s;
     float* o = buffers.o;
-
-    pack_queries(p, b, kvh, q0, qn, mp, buffers.qb);
-    for (int64_t r = 0; r < mp; ++r) {
-        buffers.position[r] = (float)((r < rows ? q0 + r % qn : q0) + p.offset);
-        buffers.row_max[r] = -std::numeric_limits<float>::infinity();
-        buffers.row_sum[r] = 0.0f;
-    }
-    std::memset(o, 0, sizeof(float) * Dv * mp);
 
     int64_t lo, hi;
     visible_keys(p, b, q0, qn, k_begin, k_end, &lo, &hi);
     /* Packed tiles start at multiples of N: a window's first tile starts there too (its keys before
      * the window are hidden by finish_scores' edge test). */
     if (p.packed_values) lo = lo / N * N;
-    /* Masks and softcap see scaled scores; otherwise the scale rides in the softmax's exponent. */
-    const bool scale_first = p.softcap > 0 || p.mask_kind != MASK_NONE;
-    const float scale = (float)p.scale;
 
     const PackProbabilities packer{buffers.pb, N, interleave_halves_index()};
     configure_tiles();
@@ -349,21 +339,7 @@ static void forward_block_amx(const FwdParams& p, char* scratch, int64_t b, int6
         const uint16_t* v = at<uint16_t>(p.v, b * p.v_stride[0] + kvh * p.v_stride[1] + kt * p.v_stride[2]);
 
         tile_scores(k, p.k_stride[2], n, buffers.qb, D, s, mp, buffers.k_block);
-        if (scale_first) {
-            const __m512 factor = _mm512_set1_ps(scale);
-            for (int64_t e = 0; e < n * mp; e += 16) _mm512_storeu_ps(s + e, _mm512_mul_ps(_mm512_loadu_ps(s + e), factor));
-        }
-        finish_scores<float>(p, s, nullptr, mp, rows, n, kt, b, kvh, q0, qn, buffers.position);
-        const float score_scale = scale_first ? 1.0f : scale;
-        if (p.dropout_p > 0) {
-            online_softmax<float>(s, n, mp, buffers.row_max, buffers.row_sum, o, Dv, score_scale,
-                                  StoreProbabilities<float>{s, n, mp});
-            dropout_tile<float>(p, s, mp, 1, rows, n, kt, b, kvh, q0, qn, false);
-            packer.pack(s, n, mp);
-        } else {
-            online_softmax<float>(s, n, mp, buffers.row_max, buffers.row_sum, o, Dv, score_scale, packer);
-            packer.zero_tail(n, mp);
-        }
+        scores_to_pairs(p, buffers, packer, b, kvh, q0, qn, mp, kt, n);
         const uint16_t* vt = buffers.vt;
         int64_t steps = (n + 31) / 32;
         if (p.packed_values) { /* packed once for all query blocks: packed_value_tile */

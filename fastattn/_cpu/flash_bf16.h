@@ -231,6 +231,47 @@ static void write_rows(const FwdParams& p, int64_t b, int64_t kvh, int64_t q0, i
     }
 }
 
+/* ---- a forward item's steps, on either product kind ------------------------------------------------- */
+
+/* Q of rows 0..mp-1 in column pairs, each row's position and softmax state, O^T zero. */
+static void start_pairs_item(const FwdParams& p, const PairBuffers& buffers, int64_t b, int64_t kvh, int64_t q0,
+                             int64_t qn, int64_t mp) {
+    const int64_t rows = p.group * qn;
+    pack_queries(p, b, kvh, q0, qn, mp, buffers.qb);
+    for (int64_t r = 0; r < mp; ++r) {
+        buffers.position[r] = (float)((r < rows ? q0 + r % qn : q0) + p.offset);
+        buffers.row_max[r] = -std::numeric_limits<float>::infinity();
+        buffers.row_sum[r] = 0.0f;
+    }
+    std::memset(buffers.o, 0, sizeof(float) * p.head_dim_v * mp);
+}
+
+/* One key tile's S^T (n keys from kt, unscaled, in buffers.s) to P in column pairs (packer), the
+ * keys from n up to the next multiple of 32 zero: edges and masks, the online softmax (O^T rescaled),
+ * dropout.  Masks and softcap see scaled scores, so S is scaled first for them; otherwise the scale
+ * rides in the softmax's exponent. */
+static void scores_to_pairs(const FwdParams& p, const PairBuffers& buffers, const PackProbabilities& packer, int64_t b,
+                            int64_t kvh, int64_t q0, int64_t qn, int64_t mp, int64_t kt, int64_t n) {
+    const int64_t rows = p.group * qn, Dv = p.head_dim_v;
+    float* s = buffers.s;
+    const bool scale_first = p.softcap > 0 || p.mask_kind != MASK_NONE;
+    if (scale_first) {
+        const __m512 factor = _mm512_set1_ps((float)p.scale);
+        for (int64_t e = 0; e < n * mp; e += 16) _mm512_storeu_ps(s + e, _mm512_mul_ps(_mm512_loadu_ps(s + e), factor));
+    }
+    finish_scores<float>(p, s, nullptr, mp, rows, n, kt, b, kvh, q0, qn, buffers.position);
+    const float score_scale = scale_first ? 1.0f : (float)p.scale;
+    if (p.dropout_p > 0) {
+        online_softmax<float>(s, n, mp, buffers.row_max, buffers.row_sum, buffers.o, Dv, score_scale,
+                              StoreProbabilities<float>{s, n, mp});
+        dropout_tile<float>(p, s, mp, 1, rows, n, kt, b, kvh, q0, qn, false);
+        packer.pack(s, n, mp);
+    } else {
+        online_softmax<float>(s, n, mp, buffers.row_max, buffers.row_sum, buffers.o, Dv, score_scale, packer);
+        packer.zero_tail(n, mp);
+    }
+}
+
 /* ---- products on AVX512_BF16 vectors ------------------------------------------------------------ */
 
 /* Two bfloat16 values as one dword in every lane (memcpy: `at` may be only 2-byte aligned). */
@@ -310,21 +351,12 @@ static void forward_block_dpbf16(const FwdParams& p, char* scratch, int64_t b, i
     const int64_t rows = p.group * qn, mp = round_up(rows, rows <= 16 ? 16 : 32);
     PairBuffers buffers;
     buffers.carve(p, scratch);
+    start_pairs_item(p, buffers, b, kvh, q0, qn, mp);
     float* s = buffers.s;
     float* o = buffers.o;
 
-    pack_queries(p, b, kvh, q0, qn, mp, buffers.qb);
-    for (int64_t r = 0; r < mp; ++r) {
-        buffers.position[r] = (float)((r < rows ? q0 + r % qn : q0) + p.offset);
-        buffers.row_max[r] = -std::numeric_limits<float>::infinity();
-        buffers.row_sum[r] = 0.0f;
-    }
-    std::memset(o, 0, sizeof(float) * Dv * mp);
-
     int64_t lo, hi;
     visible_keys(p, b, q0, qn, k_begin, k_end, &lo, &hi);
-    const bool scale_first = p.softcap > 0 || p.mask_kind != MASK_NONE;
-    const float scale = (float)p.scale;
     const PackProbabilities packer{buffers.pb, N, interleave_halves_index()};
     for (int64_t kt = lo; kt < hi; kt += N) {
         const int64_t n = std::min(N, hi - kt);
@@ -343,20 +375,7 @@ static void forward_block_dpbf16(const FwdParams& p, char* scratch, int64_t b, i
             ahead.issue(lines_per_call);
             mask_ahead.issue(mask_lines_per_call);
         });
-        if (scale_first) {
-            const __m512 factor = _mm512_set1_ps(scale);
-            for (int64_t e = 0; e < n * mp; e += 16) _mm512_storeu_ps(s + e, _mm512_mul_ps(_mm512_loadu_ps(s + e), factor));
-        }
-        finish_scores<float>(p, s, nullptr, mp, rows, n, kt, b, kvh, q0, qn, buffers.position);
-        const float score_scale = scale_first ? 1.0f : scale;
-        if (p.dropout_p > 0) {
-            online_softmax<float>(s, n, mp, buffers.row_max, buffers.row_sum, o, Dv, score_scale,
-                                  StoreProbabilities<float>{s, n, mp});
-            dropout_tile<float>(p, s, mp, 1, rows, n, kt, b, kvh, q0, qn, false);
-            packer.pack(s, n, mp);
-        } else {
-            online_softmax<float>(s, n, mp, buffers.row_max, buffers.row_sum, o, Dv, score_scale, packer);
-        }
+        scores_to_pairs(p, buffers, packer, b, kvh, q0, qn, mp, kt, n);
 
         /* O^T += V^T P^T over the tile's pairs of keys; an odd n's last pair: P[n] = 0, V[n] zero. */
         const int64_t key_pairs = (n + 1) / 2;
