@@ -139,7 +139,7 @@ _kernel_headers = [
     "fastattn/_cpu/flash_amx.h",
     "fastattn/_cpu/flash_bf16.h",
     "fastattn/_cpu/flash_backward.h",
-    "fastattn/_cpu/flash_backward_amx.h",
+    "fastattn/_cpu/flash_backward_bf16.h",
     "fastattn/_cpu/mask_tiles.h",
     "fastattn/_cpu/simd.h",
     "fastattn/_cpu/isa.h",

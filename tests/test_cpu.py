@@ -290,10 +290,11 @@ AMX_BACKWARD_CASES = {
 
 
 @pytest.mark.parametrize("case", sorted(AMX_BACKWARD_CASES))
-def test_bfloat16_backward_on_amx_tiles_matches_reference(case: str) -> None:
-    """bfloat16 gradients of GQA heads over 300 keys (key blocks of AMX_KEY_TILE, the last of 44
-    keys: partial 16- and 32-key steps) on the AMX gradient pass where the level has it, else the
-    vector kernels (blocks of KEY_TILE):
+def test_bfloat16_backward_on_the_dot_product_units_matches_reference(case: str) -> None:
+    """bfloat16 gradients of GQA heads over 300 keys on the AMX gradient pass (key blocks of
+    AMX_KEY_TILE, the last of 44 keys: partial 16- and 32-key steps) or the `vdpbf16ps` one (blocks of
+    KEY_TILE; with key_lengths a last block of 13 live keys, an odd pair) where the level has them,
+    else the float32 vector kernels:
     within the conformance suite's bfloat16 tolerance of the float64 reference, and bit-identical
     on one and two threads."""
     features = dict(AMX_BACKWARD_CASES[case])
@@ -315,7 +316,8 @@ def test_bfloat16_backward_on_amx_tiles_matches_reference(case: str) -> None:
         call["dropout_seed"] = int(rng.integers(2**63))
     problem = fastattn.explain(q, k, v, **call).problem
     on_amx = isa.active() == "amx"
-    assert cpu_backend.backward_plan(problem, 2).amx == on_amx
+    expected_kernel = {"avx512bf16": "dpbf16", "amx": "amx"}.get(isa.active(), "vector")
+    assert cpu_backend.backward_plan(problem, 2).kernel == expected_kernel
     amx_tiles = (cpu_backend.AMX_TILE_ROWS, cpu_backend.AMX_KEY_TILE)
     assert (cpu_backend.backward_tile_sizes(problem) == amx_tiles) == on_amx
     out, lse = fastattn.attention(q, k, v, return_lse=True, backend="reference", **call)

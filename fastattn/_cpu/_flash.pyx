@@ -114,7 +114,7 @@ cdef extern from "kernel_table.h" namespace "fastattn" nogil:
         ItemFunction backward_gradients
         ItemFunction backward_dq
         const char* (*forward_kernel)(const FwdParams* params, int64_t rows) noexcept nogil
-        bint (*backward_on_amx)(const BwdParams* params) noexcept nogil
+        const char* (*backward_kernel)(const BwdParams* params) noexcept nogil
 
 cdef extern from "dispatch.h" namespace "fastattn" nogil:
     cdef struct IsaLevel:
@@ -183,14 +183,14 @@ def forward_kernel(problem, int64_t block_queries, int64_t key_tile):
     return _active.forward_kernel(&p, p.group * min(block_queries, p.seq_q)).decode("ascii")
 
 
-def backward_on_amx(problem, int64_t block_queries, int64_t key_tile):
-    """Whether the active level runs ``problem``'s backward gradient pass, with query blocks of
-    ``block_queries`` positions and ``key_tile`` keys, on AMX tiles (the kernels' own rule,
-    ``amx_backward_applies``)."""
+def backward_kernel(problem, int64_t block_queries, int64_t key_tile):
+    """Which kernel of the active level runs ``problem``'s backward gradient pass, with query blocks
+    of ``block_queries`` positions and ``key_tile`` keys (the kernels' own rule): ``"vector"``,
+    ``"dpbf16"`` or ``"amx"``."""
     cdef BwdParams p
     memset(&p, 0, sizeof(BwdParams))
     _fill_from_problem(&p.f, problem, block_queries, key_tile)
-    return bool(_active.backward_on_amx(&p))
+    return _active.backward_kernel(&p).decode("ascii")
 
 
 cdef inline char* _data(array):
@@ -478,10 +478,10 @@ cdef class BackwardPlan:
         return self.kernels.name.decode("ascii")
 
     @property
-    def amx(self):
-        """Whether the gradient pass runs on AMX tiles (bfloat16 on the amx level; a rerun that
-        must skip zero weights takes the vector kernels)."""
-        return bool(self.kernels.backward_on_amx(&self.template))
+    def kernel(self):
+        """Which kernel runs the gradient pass: ``"amx"`` or ``"dpbf16"`` for bfloat16 on those
+        levels, else ``"vector"`` (as does a rerun that must skip zero weights)."""
+        return self.kernels.backward_kernel(&self.template).decode("ascii")
 
     def run(self, dout, q, k, v, out, lse, extras):
         """Run the flash backward.

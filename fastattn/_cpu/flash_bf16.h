@@ -9,7 +9,8 @@
  *     Out[row tile][dims/2][16][2];
  *   - "row pairs" (pack_row_pairs): two rows interleaved, Out[rows/2][dims][2].
  * These are also the layouts of AMX's B tiles ("VNNI"): flash_amx.h takes the packing, the buffers
- * and the output writing from here and runs the products on tiles instead.
+ * and the output writing from here and runs the products on tiles instead.  The backward on either
+ * (flash_backward_bf16.h) runs its products through pairs_dot too at this level.
  *
  * The forward (forward_block_dpbf16) keeps forward_block's work item and rows-as-lanes layout
  * (flash_forward.h): the softmax, masks, dropout and the lse are the same code, on float32 S and O.
@@ -307,19 +308,19 @@ static inline void pairs_dot(const uint16_t* x, int64_t x_m, int64_t x_p, const 
 
 constexpr int kPairsMR = 8;
 
-/* pairs_dot over `count` rows of C^T (Y in column pairs, row tiles y_tile apart): full blocks of kPairsMR (between() before each), then one
+/* pairs_dot over `count` rows of C: full blocks of kPairsMR (between() before each), then one
  * remainder block. */
 template <int NV, bool Accumulate, typename Between>
-static void pairs_dot_rows(int64_t count, const uint16_t* x, int64_t x_m, int64_t x_p, const uint16_t* y,
-                           int64_t y_tile, int64_t pairs, float* c, int64_t mp, Between&& between) {
+static void pairs_dot_rows(int64_t count, const uint16_t* x, int64_t x_m, int64_t x_p, const uint16_t* y, int64_t y_v,
+                           int64_t y_p, int64_t pairs, float* c, int64_t mp, Between&& between) {
     int64_t m = 0;
     for (; m + kPairsMR <= count; m += kPairsMR) {
         between();
-        pairs_dot<kPairsMR, NV, Accumulate>(x + m * x_m, x_m, x_p, y, y_tile, 32, pairs, c + m * mp, mp, [] {});
+        pairs_dot<kPairsMR, NV, Accumulate>(x + m * x_m, x_m, x_p, y, y_v, y_p, pairs, c + m * mp, mp, [] {});
     }
     switch (count - m) {
 #define FASTATTN_PAIRS_CASE(R) \
-    case R: pairs_dot<R, NV, Accumulate>(x + m * x_m, x_m, x_p, y, y_tile, 32, pairs, c + m * mp, mp, [] {}); break;
+    case R: pairs_dot<R, NV, Accumulate>(x + m * x_m, x_m, x_p, y, y_v, y_p, pairs, c + m * mp, mp, [] {}); break;
         FASTATTN_PAIRS_CASE(1) FASTATTN_PAIRS_CASE(2) FASTATTN_PAIRS_CASE(3) FASTATTN_PAIRS_CASE(4)
         FASTATTN_PAIRS_CASE(5) FASTATTN_PAIRS_CASE(6) FASTATTN_PAIRS_CASE(7)
 #undef FASTATTN_PAIRS_CASE
@@ -333,9 +334,9 @@ static void pairs_dot_tiles(int64_t count, const uint16_t* x, int64_t x_m, int64
                             int64_t y_tile, int64_t pairs, float* c, int64_t mp, Between&& between) {
     int64_t rt = 0;
     for (; rt + 2 <= mp / 16; rt += 2)
-        pairs_dot_rows<2, Accumulate>(count, x, x_m, x_p, y + rt * y_tile, y_tile, pairs, c + rt * 16, mp, between);
+        pairs_dot_rows<2, Accumulate>(count, x, x_m, x_p, y + rt * y_tile, y_tile, 32, pairs, c + rt * 16, mp, between);
     if (rt < mp / 16)
-        pairs_dot_rows<1, Accumulate>(count, x, x_m, x_p, y + rt * y_tile, y_tile, pairs, c + rt * 16, mp, between);
+        pairs_dot_rows<1, Accumulate>(count, x, x_m, x_p, y + rt * y_tile, y_tile, 32, pairs, c + rt * 16, mp, between);
 }
 
 static bool dpbf16_forward_applies(const FwdParams& p, int64_t rows) {

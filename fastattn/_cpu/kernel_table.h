@@ -36,8 +36,8 @@ struct KernelTable {
      * (amx level).  The
      * Python planner asks it to pick the AMX tile sizes. */
     const char* (*forward_kernel)(const FwdParams* params, int64_t rows);
-    /* Whether the backward's gradient pass runs on AMX tiles (false below the amx level). */
-    bool (*backward_on_amx)(const BwdParams* params);
+    /* Which kernel runs the backward's gradient pass: "vector", "dpbf16" (avx512bf16 level) or "amx". */
+    const char* (*backward_kernel)(const BwdParams* params);
 };
 
 }  // namespace fastattn

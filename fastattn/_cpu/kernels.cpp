@@ -7,7 +7,7 @@
 #include "flash_amx.h"
 #include "flash_bf16.h"
 #include "flash_backward.h"
-#include "flash_backward_amx.h"
+#include "flash_backward_bf16.h"
 #include "kernel_table.h"
 
 namespace fastattn {
@@ -63,22 +63,32 @@ static void forward_combine(const void* params, char*, int64_t index) {
 #undef FASTATTN_CALL
 }
 
-/* Whether pass 2 runs on AMX tiles (flash_backward_amx.h); pass 3 must then read its dQ^T tiles
- * with that path's row padding. */
-static bool backward_on_amx(const BwdParams* p) {
-#if defined(FASTATTN_HAS_AMX)
-    return p->f.dtype == DTYPE_BFLOAT16 && amx_backward_applies(p->f);
+/* Whether pass 2 runs on the bfloat16 pairs (flash_backward_bf16.h: AMX tiles or vdpbf16ps); pass 3
+ * must then read its dQ^T tiles with that path's row padding. */
+static bool backward_on_pairs(const BwdParams* p) {
+#if defined(FASTATTN_HAS_AVX512BF16)
+    return p->f.dtype == DTYPE_BFLOAT16 && pairs_backward_applies(p->f);
 #else
     (void)p;
     return false;
 #endif
 }
 
+/* Which kernel runs the backward's gradient pass: "vector", "dpbf16" or "amx". */
+static const char* backward_kernel(const BwdParams* p) {
+    if (!backward_on_pairs(p)) return "vector";
+#if defined(FASTATTN_HAS_AMX)
+    return "amx";
+#else
+    return "dpbf16";
+#endif
+}
+
 static size_t backward_scratch_bytes(const BwdParams* p) {
     if (p->f.dtype == DTYPE_FLOAT64) return sizeof(double) * backward_scratch_elements<double>(*p);
     const size_t vectors = sizeof(float) * backward_scratch_elements<float>(*p);
-#if defined(FASTATTN_HAS_AMX)
-    if (backward_on_amx(p)) return std::max(vectors, (size_t)AmxBackwardBuffers::bytes(p->f));
+#if defined(FASTATTN_HAS_AVX512BF16)
+    if (backward_on_pairs(p)) return std::max(vectors, (size_t)PairsBackwardBuffers::bytes(p->f));
 #endif
     return vectors;
 }
@@ -92,10 +102,10 @@ static void backward_delta(const void* params, char*, int64_t index) {
 
 static void backward_gradients(const void* params, char* scratch, int64_t item) {
     const BwdParams& p = *static_cast<const BwdParams*>(params);
-#if defined(FASTATTN_HAS_AMX)
-    if (backward_on_amx(&p)) {
+#if defined(FASTATTN_HAS_AVX512BF16)
+    if (backward_on_pairs(&p)) {
         const KeyChunk where = key_chunk_of(p, item);
-        gradient_block_amx(p, scratch, where.b, where.kvh, where.chunk);
+        gradient_block_pairs(p, scratch, where.b, where.kvh, where.chunk);
         return;
     }
 #endif
@@ -106,9 +116,9 @@ static void backward_gradients(const void* params, char* scratch, int64_t item) 
 
 static void backward_dq(const void* params, char* scratch, int64_t item) {
     const BwdParams& p = *static_cast<const BwdParams*>(params);
-#if defined(FASTATTN_HAS_AMX)
-    if (backward_on_amx(&p)) {
-        dq_item<float, bfloat16_bits>(p, scratch, item, kAmxRowAlign);
+#if defined(FASTATTN_HAS_AVX512BF16)
+    if (backward_on_pairs(&p)) {
+        dq_item<float, bfloat16_bits>(p, scratch, item, kPairsRowAlign);
         return;
     }
 #endif
@@ -129,7 +139,7 @@ const KernelTable* kernel_table() {
         FASTATTN_ISA_NAME,      FASTATTN_VECTOR_BYTES, forward_scratch_bytes, forward_item, forward_combine,
         forward_packed_bytes,   forward_pack,
         backward_scratch_bytes, backward_delta,        backward_gradients,    backward_dq,     forward_kernel,
-        backward_on_amx,
+        backward_kernel,
     };
     return &table;
 }

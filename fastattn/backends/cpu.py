@@ -20,7 +20,7 @@ TILE_ROWS = 64
 KEY_TILE = 128
 #: The AMX bfloat16 forward (fastattn/_cpu/flash_amx.h) packs Q once per item and V and P once per
 #: key tile: larger tiles spread that over more tile products (10-15% faster on a 2-core Xeon).  The
-#: AMX backward (flash_backward_amx.h) takes the same sizes: its dK/dV tiles are loaded and stored
+#: AMX backward (flash_backward_bf16.h) takes the same sizes: its dK/dV tiles are loaded and stored
 #: once per query tile and K^T packed once per key tile (C1 4.9 -> 4.1-4.5 ms, C5 80 -> 72 there).
 AMX_TILE_ROWS = 128
 AMX_KEY_TILE = 256
@@ -112,9 +112,9 @@ BACKWARD_PARTIAL_BYTES = 256 << 20
 
 def backward_tile_sizes(problem: AttentionProblem) -> tuple[int, int]:
     """Return ``(tile_rows, key_tile)`` of the backward: ``AMX_TILE_ROWS``/``AMX_KEY_TILE`` where the
-    kernels run the gradient pass on AMX tiles (``_flash.backward_on_amx``), else
+    kernels run the gradient pass on AMX tiles (``_flash.backward_kernel``), else
     ``TILE_ROWS``/``KEY_TILE``.  From the problem and the active level alone, as the chunks are."""
-    if _flash.backward_on_amx(problem, max(1, AMX_TILE_ROWS // problem.group_size), AMX_KEY_TILE):
+    if _flash.backward_kernel(problem, max(1, AMX_TILE_ROWS // problem.group_size), AMX_KEY_TILE) == "amx":
         return AMX_TILE_ROWS, AMX_KEY_TILE
     return TILE_ROWS, KEY_TILE
 

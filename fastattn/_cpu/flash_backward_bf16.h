@@ -1,18 +1,22 @@
-/* Flash attention backward for bfloat16 inputs on AMX tiles (Intel Sapphire Rapids and later).
+/* Flash attention backward for bfloat16 inputs on the bfloat16 dot-product units: AMX tiles (Intel
+ * Sapphire Rapids and later) or AVX512_BF16 vectors (`vdpbf16ps`: AMD Zen 4 and later, Intel Cooper
+ * Lake and later).
  *
  * The same three passes, work items, chunks and summation order as flash_backward.h; in pass 2
- * the five tile products move from float32 FMA vectors to `tdpbf16ps` (flash_amx.h says what one
- * does and what it costs), so the float32 work between them, the scores' finishing and P and dS,
- * sets the pace.  Per (key block of n keys, query tile of mp rows, mp a multiple of 32):
+ * the five products move from float32 FMA vectors to `tdpbf16ps` tiles (flash_amx.h says what one
+ * does and what it costs) or `vdpbf16ps` vectors (flash_bf16.h), so the float32 work between them,
+ * the scores' finishing and P and dS, takes a larger share.  Per (key block of n keys, query tile of
+ * mp rows, mp a multiple of 32):
  *
- *   S^T[keys][rows]  = K Q^T      A = K read in place, B = Q in pairs of dims     (tile_scores)
- *   dP^T[keys][rows] = V dO^T     A = V read in place, B = dO in pairs of columns (tile_scores)
+ *   S^T[keys][rows]  = K Q^T      K read in place, Q in pairs of dims              (scores_product)
+ *   dP^T[keys][rows] = V dO^T     V read in place, dO in pairs of columns          (scores_product)
  *   P, dS in float32 from S, dP by the vector path's probability_gradient; then rounded to
  *   bfloat16, as FlashAttention's GPU backward rounds them, in two layouts:
- *     [keys][rows], the A tiles of the next two products, and dS in pairs of keys, B of the last
- *   dV[keys][cols] += P^T dO      A = P [16 keys][32 rows], B = dO in pairs of rows
- *   dK[keys][dims] += dS^T Q      A = dS,                   B = Q in pairs of rows
- *   dQ^T[dims][rows] += K^T dS^T  A = K^T (transposed once per key block), B = dS in pairs of keys
+ *     [keys][rows], the A operands of the next two products, and dS in pairs of keys, of the last
+ *   dV[keys][cols] += P^T dO      A = P [keys][rows], B = dO in pairs of rows      (rows_product)
+ *   dK[keys][dims] += dS^T Q      A = dS,             B = Q in pairs of rows       (rows_product)
+ *   dQ^T[dims][rows] += K^T dS^T  K packed once per key block (AMX: K^T tiles; vectors: K in pairs of
+ *                                 keys, broadcast), dS in pairs of keys           (dq_product)
  *
  * Q is not pre-scaled (a bfloat16 Q times scale would round again): S is scaled where masks or
  * softcap need scaled scores, else the scale rides in P's exponent; dK is scaled when written and
@@ -24,33 +28,90 @@
  * Taken when: bfloat16 inputs, D and Dv multiples of 32 (the products' K dimension in steps of
  * 32), key_tile of 32, and no rerun that must skip zero weights; otherwise the vector kernels run.
  */
-#ifndef FASTATTN_FLASH_BACKWARD_AMX_H
-#define FASTATTN_FLASH_BACKWARD_AMX_H
+#ifndef FASTATTN_FLASH_BACKWARD_BF16_H
+#define FASTATTN_FLASH_BACKWARD_BF16_H
 
 #include "flash_amx.h"
 #include "flash_backward.h"
 
-#if defined(FASTATTN_HAS_AMX)
+#if defined(FASTATTN_HAS_AVX512BF16)
 
 namespace fastattn {
 inline namespace FASTATTN_ISA_NAMESPACE {
 
-static bool amx_backward_applies(const FwdParams& p) {
+/* ---- the products, on the level's units ----------------------------------------------------------- */
+
+#if defined(FASTATTN_HAS_AMX)
+static inline void begin_products() { configure_tiles(); }
+static inline void end_products() { _tile_release(); }
+
+/* out^T[n][mp] = X Y^T: X's n rows (x_stride apart) read in place, Y in column pairs of `depth`. */
+static inline void scores_product(const uint16_t* x, int64_t x_stride, int64_t n, const uint16_t* y_columns,
+                                  int64_t depth, float* out, int64_t mp, uint16_t* pad) {
+    tile_scores(x, x_stride, n, y_columns, depth, out, mp, pad);
+}
+
+/* C[m][cols] += A[m][k] B[k][cols], k = steps of 32, B in row pairs. */
+static inline void rows_product(const uint16_t* a, int64_t a_stride, int64_t m, int64_t steps, const uint16_t* b_pairs,
+                                int64_t cols, float* c) {
+    pairs_product(a, a_stride, m, steps, b_pairs, cols, c);
+}
+
+/* The key block's `live` K rows as dq_product reads them. */
+static inline void pack_keys_for_dq(const uint16_t* k, int64_t k_stride, int64_t live, int64_t D, uint16_t* out) {
+    pack_values_transposed(k, k_stride, live, D, out);
+}
+
+/* dQ^T[D][mp] += K^T dS^T over the block's live keys, dS in pairs of keys (row tiles N * 16 apart). */
+static inline void dq_product(const uint16_t* k_packed, int64_t live, const uint16_t* ds_pairs, int64_t N, int64_t D,
+                              float* dq, int64_t mp) {
+    tile_output(k_packed, (live + 31) / 32, ds_pairs, N, (live + 31) / 32, D, dq, mp);
+}
+#else
+static inline void begin_products() {}
+static inline void end_products() {}
+
+static inline void scores_product(const uint16_t* x, int64_t x_stride, int64_t n, const uint16_t* y_columns,
+                                  int64_t depth, float* out, int64_t mp, uint16_t*) {
+    pairs_dot_tiles<false>(n, x, x_stride, 2, y_columns, depth * 16, depth / 2, out, mp, [] {});
+}
+
+/* C's columns two vectors at a time, its rows kPairsMR at a time: A's pairs broadcast. */
+static inline void rows_product(const uint16_t* a, int64_t a_stride, int64_t m, int64_t steps, const uint16_t* b_pairs,
+                                int64_t cols, float* c) {
+    for (int64_t cb = 0; cb < cols / 16; cb += 2)
+        pairs_dot_rows<2, true>(m, a, a_stride, 2, b_pairs + cb * 32, 32, 2 * cols, steps * 16, c + cb * 16, cols,
+                                [] {});
+}
+
+/* K in row pairs [live/2][D][2] (a key past `live` zero): pair (K[2i][d], K[2i+1][d]) is broadcast. */
+static inline void pack_keys_for_dq(const uint16_t* k, int64_t k_stride, int64_t live, int64_t D, uint16_t* out) {
+    auto key_row = [&](int64_t j) -> const uint16_t* { return j < live ? k + j * k_stride : nullptr; };
+    pack_row_pairs(key_row, round_up(live, 2), D, out);
+}
+
+static inline void dq_product(const uint16_t* k_packed, int64_t live, const uint16_t* ds_pairs, int64_t N, int64_t D,
+                              float* dq, int64_t mp) {
+    pairs_dot_tiles<true>(D, k_packed, 2, 2 * D, ds_pairs, N * 16, (live + 1) / 2, dq, mp, [] {});
+}
+#endif
+
+static bool pairs_backward_applies(const FwdParams& p) {
     return p.head_dim % 32 == 0 && p.head_dim_v % 32 == 0 && p.key_tile % 32 == 0 && !p.skip_zero_weights;
 }
 
-/* Rows of the dQ^T tiles pass 2 writes on AMX are padded to this (pass 3 must read them so). */
-constexpr int64_t kAmxRowAlign = 32;
+/* Rows of the dQ^T tiles pass 2 writes on pairs are padded to this (pass 3 must read them so). */
+constexpr int64_t kPairsRowAlign = 32;
 
 /* One gradient item's buffers, carved from the thread's scratch (64-byte aligned). */
-struct AmxBackwardBuffers {
+struct PairsBackwardBuffers {
     float *dk, *dv, *s, *dp, *cap_grad, *keep, *lse2, *delta, *position;
     uint16_t *k_transposed, *pad, *q_columns, *do_columns, *q_rows, *do_rows, *p_keys, *ds_keys, *ds_pairs;
 
-    static int64_t bytes(const FwdParams& p) { return AmxBackwardBuffers().carve(p, nullptr); }
+    static int64_t bytes(const FwdParams& p) { return PairsBackwardBuffers().carve(p, nullptr); }
 
     int64_t carve(const FwdParams& p, char* base) {
-        const int64_t mp = round_up(p.group * p.block_queries, kAmxRowAlign), N = p.key_tile;
+        const int64_t mp = round_up(p.group * p.block_queries, kPairsRowAlign), N = p.key_tile;
         const int64_t D = p.head_dim, Dv = p.head_dim_v;
         const int64_t sizes[] = {4 * N * D,  4 * N * Dv, 4 * N * mp,  4 * N * mp,  4 * N * mp,
                                  4 * N * mp, 4 * mp,     4 * mp,      4 * mp,      2 * D * N,
@@ -75,9 +136,9 @@ struct AmxBackwardBuffers {
  * columns (B of S and dP) and in pairs of rows (B of dK and dV); lse log2(e) (+inf for a row that
  * saw no key or pads the tile, so that its P is 0), delta and key position per row.  Returns mp. */
 static int64_t pack_query_tile(const BwdParams& bp, int64_t b, int64_t kvh, int64_t q0, int64_t qn,
-                               const AmxBackwardBuffers& t) {
+                               const PairsBackwardBuffers& t) {
     const FwdParams& p = bp.f;
-    const int64_t rows = p.group * qn, mp = round_up(rows, kAmxRowAlign);
+    const int64_t rows = p.group * qn, mp = round_up(rows, kPairsRowAlign);
     auto head = [&](int64_t r) { return kvh * p.group + r / qn; };
     auto q_row = [&](int64_t r) -> const uint16_t* {
         if (r >= rows) return nullptr;
@@ -151,7 +212,7 @@ static void gradients_to_bfloat16_as(const float* s, const float* dp, const floa
     }
 }
 
-static void gradients_to_bfloat16(const FwdParams& p, const AmxBackwardBuffers& t, float score_log2e, int64_t live,
+static void gradients_to_bfloat16(const FwdParams& p, const PairsBackwardBuffers& t, float score_log2e, int64_t live,
                                   int64_t mp) {
 #define FASTATTN_GRADIENTS(DROPOUT, SOFTCAP)                                                                   \
     gradients_to_bfloat16_as<DROPOUT, SOFTCAP>(t.s, t.dp, t.keep, t.cap_grad, t.lse2, t.delta, score_log2e, live, \
@@ -168,18 +229,18 @@ static void gradients_to_bfloat16(const FwdParams& p, const AmxBackwardBuffers& 
 #undef FASTATTN_GRADIENTS
 }
 
-/* Pass 2 on AMX: dK and dV of the key blocks of one chunk of one kv head, and the chunk's dQ
+/* Pass 2 on pairs: dK and dV of the key blocks of one chunk of one kv head, and the chunk's dQ
  * partial, as gradient_block (flash_backward.h) computes them. */
-static void gradient_block_amx(const BwdParams& bp, char* scratch, int64_t b, int64_t kvh, int64_t chunk) {
+static void gradient_block_pairs(const BwdParams& bp, char* scratch, int64_t b, int64_t kvh, int64_t chunk) {
     const FwdParams& p = bp.f;
     const int64_t D = p.head_dim, Dv = p.head_dim_v, N = p.key_tile, BQ = p.block_queries;
-    AmxBackwardBuffers t;
+    PairsBackwardBuffers t;
     t.carve(p, scratch);
     clear_dq_partials<float>(bp, b, kvh, chunk);
     /* Masks and softcap see scaled scores; otherwise the scale rides in P's exponent. */
     const bool scale_first = p.softcap > 0 || p.mask_kind != MASK_NONE;
     const float scale = (float)p.scale, score_log2e = (scale_first ? 1.0f : scale) * kLog2e<float>;
-    configure_tiles();
+    begin_products();
     const int64_t kb_end = std::min(bp.key_blocks, (chunk + 1) * bp.chunk_blocks);
     for (int64_t kb = chunk * bp.chunk_blocks; kb < kb_end; ++kb) {
         const int64_t k0 = kb * N, n = std::min(N, p.seq_k - k0);
@@ -191,15 +252,15 @@ static void gradient_block_amx(const BwdParams& bp, char* scratch, int64_t b, in
             seeing_queries(p, k0, live, &i_lo, &i_hi);
             const uint16_t* k = at<uint16_t>(p.k, b * p.k_stride[0] + kvh * p.k_stride[1] + k0 * p.k_stride[2]);
             const uint16_t* v = at<uint16_t>(p.v, b * p.v_stride[0] + kvh * p.v_stride[1] + k0 * p.v_stride[2]);
-            pack_values_transposed(k, p.k_stride[2], live, D, t.k_transposed);
+            pack_keys_for_dq(k, p.k_stride[2], live, D, t.k_transposed);
             const int64_t keys16 = round_up(live, 16);
             /* Whole query blocks (pass 3's), so rows of a block outside [i_lo, i_hi) get P = dS = 0. */
             for (int64_t qb = std::max<int64_t>(i_lo, 0) / BQ; qb * BQ < i_hi; ++qb) {
                 const int64_t q0 = qb * BQ, qn = std::min(BQ, p.seq_q - q0), rows = p.group * qn;
                 if (p.mask_kind != MASK_NONE && mask_hides_tile(p, b, kvh, q0, qn, k0, live)) continue;
                 const int64_t mp = pack_query_tile(bp, b, kvh, q0, qn, t);
-                tile_scores(k, p.k_stride[2], live, t.q_columns, D, t.s, mp, t.pad);
-                tile_scores(v, p.v_stride[2], live, t.do_columns, Dv, t.dp, mp, t.pad);
+                scores_product(k, p.k_stride[2], live, t.q_columns, D, t.s, mp, t.pad);
+                scores_product(v, p.v_stride[2], live, t.do_columns, Dv, t.dp, mp, t.pad);
                 if (scale_first) {
                     const __m512 factor = _mm512_set1_ps(scale);
                     for (int64_t e = 0; e < live * mp; e += 16)
@@ -211,15 +272,14 @@ static void gradient_block_amx(const BwdParams& bp, char* scratch, int64_t b, in
                     dropout_tile<float>(p, t.keep, mp, 1, rows, live, k0, b, kvh, q0, qn, true);
                 }
                 gradients_to_bfloat16(p, t, score_log2e, live, mp);
-                pairs_product(t.p_keys, mp, keys16, mp / 32, t.do_rows, Dv, t.dv);
-                pairs_product(t.ds_keys, mp, keys16, mp / 32, t.q_rows, D, t.dk);
-                tile_output(t.k_transposed, (live + 31) / 32, t.ds_pairs, N, (live + 31) / 32, D,
-                            dq_partial_tile<float>(bp, chunk, b, kvh, qb), mp);
+                rows_product(t.p_keys, mp, keys16, mp / 32, t.do_rows, Dv, t.dv);
+                rows_product(t.ds_keys, mp, keys16, mp / 32, t.q_rows, D, t.dk);
+                dq_product(t.k_transposed, live, t.ds_pairs, N, D, dq_partial_tile<float>(bp, chunk, b, kvh, qb), mp);
             }
         }
         write_key_gradients<float, bfloat16_bits>(bp, b, kvh, k0, n, t.dk, t.dv, scale);
     }
-    _tile_release();
+    end_products();
 }
 
 }  // namespace FASTATTN_ISA_NAMESPACE
