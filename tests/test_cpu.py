@@ -201,7 +201,7 @@ PAIRS_FORWARD_CASES = {
 
 
 @pytest.mark.parametrize("options", list(PAIRS_FORWARD_CASES.values()), ids=list(PAIRS_FORWARD_CASES))
-def test_bfloat16_forward_on_the_dot_product_units_matches_oracle(options) -> None:
+def test_bfloat16_forward_on_the_dot_product_units_matches_oracle(options, threads) -> None:
     """bfloat16 forward items (GQA group 2, 601 keys: an odd last key tile, whose last key pair
     holds one key) on the kernel the level runs them on: `vdpbf16ps` vectors on the avx512bf16 level
     (one 16-row tile for 5 positions), AMX tiles on the amx level, float32 vectors below."""
@@ -210,12 +210,8 @@ def test_bfloat16_forward_on_the_dot_product_units_matches_oracle(options) -> No
     block_queries = cpu_backend.plan(problem, 2)[0]
     kernel = _flash.forward_kernel(problem, block_queries, cpu_backend.tile_sizes(problem, 2)[1])
     assert kernel == {"avx512bf16": "dpbf16", "amx": "amx"}.get(isa.active(), "vector")
-    before = fastattn.get_num_threads()
     fastattn.set_num_threads(2)
-    try:
-        check_forward("cpu", "cpu", case)
-    finally:
-        fastattn.set_num_threads(before)
+    check_forward("cpu", "cpu", case)
 
 
 AMX_DECODE_CASES = {

@@ -317,10 +317,10 @@ static void pack_value_item(const FwdParams& p, int64_t item) {
 static void forward_block_amx(const FwdParams& p, char* scratch, int64_t b, int64_t kvh, int64_t q0, int64_t qn,
                               int64_t k_begin, int64_t k_end, float* partial_out, float* partial_lse) {
     const int64_t D = p.head_dim, Dv = p.head_dim_v, G = p.group, N = p.key_tile;
-    const int64_t rows = G * qn, mp = round_up(rows, rows <= 16 ? 16 : 32);
+    const int64_t rows = G * qn;
     PairBuffers buffers;
     buffers.carve(p, scratch);
-    start_pairs_item(p, buffers, b, kvh, q0, qn, mp);
+    const int64_t mp = start_pairs_item(p, buffers, b, kvh, q0, qn);
     float* s = buffers.s;
     float* o = buffers.o;
 
@@ -414,12 +414,7 @@ static void forward_decode_amx(const FwdParams& p, char* scratch, int64_t b, int
                 _mm512_storeu_ps(s + r * N + kb * 16, _mm512_mul_ps(_mm512_castsi512_ps(block[r]), scale));
         }
         softmax_rows<float>(p, s, N, rows, n, kt, b, kvh, q0, qn, head, query, position, row_max, row_sum, o);
-        for (int r = 0; r < rows; ++r)
-            for (int64_t j = 0; j < keys32; j += 16) { /* keys from n on: 0 */
-                const __mmask16 live = j + 16 <= n ? (__mmask16)0xffff : j < n ? (__mmask16)((1u << (n - j)) - 1) : 0;
-                const __m512 weights = _mm512_maskz_loadu_ps(live, s + r * N + j);
-                _mm256_storeu_si256(reinterpret_cast<__m256i*>(probabilities + r * N + j), (__m256i)_mm512_cvtneps_pbh(weights));
-            }
+        round_probability_rows(s, N, rows, n, keys32, probabilities); /* keys from n on: 0 */
         auto value_row = [&](int64_t j) -> const uint16_t* { return j < n ? v + j * p.v_stride[2] : nullptr; };
         pack_row_pairs(value_row, keys32, Dv, value_pairs, [&] { ahead.issue(lines_per_call); });
         pairs_product(probabilities, N, 16, keys32 / 32, value_pairs, Dv, o);

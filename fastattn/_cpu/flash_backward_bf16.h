@@ -20,9 +20,9 @@
  *
  * Q is not pre-scaled (a bfloat16 Q times scale would round again): S is scaled where masks or
  * softcap need scaled scores, else the scale rides in P's exponent; dK is scaled when written and
- * dQ in pass 3, as for the vector kernels.  dV, dK and dQ^T accumulate in float32 C tiles loaded
- * from and stored to their buffers, one 2 x 2 block of C tiles at a time (two A and two B tiles
- * feed four products, as in the forward).  dQ^T's tiles have mp rows (pass 3 reads them so).
+ * dQ in pass 3, as for the vector kernels.  dV, dK and dQ^T accumulate in float32 buffers: on AMX
+ * one 2 x 2 block of C tiles at a time (two A and two B tiles feed four products, as in the
+ * forward), on vectors pairs_dot's 8 x 2 register blocks.  dQ^T's tiles have mp rows (pass 3 reads them so).
  * Keys past the block's live keys and rows past the tile's are zero in every packed operand.
  *
  * Taken when: bfloat16 inputs, D and Dv multiples of 32 (the products' K dimension in steps of

@@ -232,12 +232,25 @@ static void write_rows(const FwdParams& p, int64_t b, int64_t kvh, int64_t q0, i
     }
 }
 
+/* Decode: each of `rows` rows' probabilities (row r at s + r * N, n keys) rounded to bfloat16 into
+ * out + r * N, keys from n up to `keys` (a multiple of 16, <= N) zero. */
+static inline void round_probability_rows(const float* s, int64_t N, int rows, int64_t n, int64_t keys,
+                                          uint16_t* out) {
+    for (int r = 0; r < rows; ++r)
+        for (int64_t j = 0; j < keys; j += 16) {
+            const __mmask16 live = j + 16 <= n ? (__mmask16)0xffff : j < n ? (__mmask16)((1u << (n - j)) - 1) : 0;
+            const __m512 weights = _mm512_maskz_loadu_ps(live, s + r * N + j);
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * N + j), (__m256i)_mm512_cvtneps_pbh(weights));
+        }
+}
+
 /* ---- a forward item's steps, on either product kind ------------------------------------------------- */
 
-/* Q of rows 0..mp-1 in column pairs, each row's position and softmax state, O^T zero. */
-static void start_pairs_item(const FwdParams& p, const PairBuffers& buffers, int64_t b, int64_t kvh, int64_t q0,
-                             int64_t qn, int64_t mp) {
-    const int64_t rows = p.group * qn;
+/* The item's rows padded to whole row tiles (mp), Q of rows 0..mp-1 in column pairs, each row's
+ * position and softmax state, O^T zero.  Returns mp. */
+static int64_t start_pairs_item(const FwdParams& p, const PairBuffers& buffers, int64_t b, int64_t kvh, int64_t q0,
+                                int64_t qn) {
+    const int64_t rows = p.group * qn, mp = round_up(rows, rows <= 16 ? 16 : 32);
     pack_queries(p, b, kvh, q0, qn, mp, buffers.qb);
     for (int64_t r = 0; r < mp; ++r) {
         buffers.position[r] = (float)((r < rows ? q0 + r % qn : q0) + p.offset);
@@ -245,6 +258,7 @@ static void start_pairs_item(const FwdParams& p, const PairBuffers& buffers, int
         buffers.row_sum[r] = 0.0f;
     }
     std::memset(buffers.o, 0, sizeof(float) * p.head_dim_v * mp);
+    return mp;
 }
 
 /* One key tile's S^T (n keys from kt, unscaled, in buffers.s) to P in column pairs (packer), the
@@ -349,10 +363,10 @@ static bool dpbf16_forward_applies(const FwdParams& p, int64_t rows) {
 static void forward_block_dpbf16(const FwdParams& p, char* scratch, int64_t b, int64_t kvh, int64_t q0, int64_t qn,
                                  int64_t k_begin, int64_t k_end, float* partial_out, float* partial_lse) {
     const int64_t D = p.head_dim, Dv = p.head_dim_v, N = p.key_tile;
-    const int64_t rows = p.group * qn, mp = round_up(rows, rows <= 16 ? 16 : 32);
+    const int64_t rows = p.group * qn;
     PairBuffers buffers;
     buffers.carve(p, scratch);
-    start_pairs_item(p, buffers, b, kvh, q0, qn, mp);
+    const int64_t mp = start_pairs_item(p, buffers, b, kvh, q0, qn);
     float* s = buffers.s;
     float* o = buffers.o;
 
@@ -467,13 +481,7 @@ static void forward_decode_dpbf16(const FwdParams& p, char* scratch, int64_t b, 
             }
 
         softmax_rows<float>(p, s, N, R, n, kt, b, kvh, q0, qn, head, query, position, row_max, row_sum, o);
-        for (int r = 0; r < R; ++r)
-            for (int64_t c = 0; c < 2 * pairs; c += 16) { /* key n of an odd n: 0 */
-                const __mmask16 live = c + 16 <= n ? (__mmask16)0xffff : (__mmask16)((1u << (n - c)) - 1);
-                const __m512 weights = _mm512_maskz_loadu_ps(live, s + r * N + c);
-                _mm256_storeu_si256(reinterpret_cast<__m256i*>(probabilities + r * N + c),
-                                    (__m256i)_mm512_cvtneps_pbh(weights));
-            }
+        round_probability_rows(s, N, R, n, round_up(2 * pairs, 16), probabilities); /* an odd n's key n: 0 */
         auto value_row = [&](int64_t i) -> const uint16_t* { return i < n ? v + i * p.v_stride[2] : nullptr; };
         pack_row_pairs(value_row, 2 * pairs, Dv, value_pairs, issue);
         for (int64_t c = 0; c < dv_main; c += 16 * NV)
