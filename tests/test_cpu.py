@@ -214,7 +214,7 @@ def test_bfloat16_forward_on_the_dot_product_units_matches_oracle(options, threa
     check_forward("cpu", "cpu", case)
 
 
-AMX_DECODE_CASES = {
+DOT_DECODE_CASES = {
     "one-row-split-keys": {"batch": 1, "heads_kv": 1, "seq_q": 1},
     "gqa-bool-mask-lengths": {"seq_q": 2, "mask_kind": "bool", "mask_shape": (2, 1, 1, 600), "key_lengths": (600, 77)},
     "causal-window-float-mask-softcap": {
@@ -222,14 +222,21 @@ AMX_DECODE_CASES = {
         "softcap": 8.0,
     },
     "value-dim-32-bshd-strided": {"seq_q": 1, "head_dim_v": 32, "layout": "bshd", "strided": "strided"},
+    "one-row-dims-128": {"group": 1, "seq_q": 1, "head_dim": 128, "head_dim_v": 128, "key_lengths": (600, 301)},
+    "two-rows-value-dim-160": {"group": 2, "seq_q": 1, "head_dim": 96, "head_dim_v": 160, "causal": "bottom_right"},
+    "three-rows-value-dim-96": {"group": 3, "seq_q": 1, "head_dim_v": 96, "key_lengths": (599, 33)},
+    "five-rows-bool-mask": {"group": 5, "seq_q": 1, "mask_kind": "bool", "mask_shape": (2, 10, 1, 600)},
+    "seven-rows-softcap": {"group": 7, "seq_q": 1, "head_dim": 128, "softcap": 5.0},
 }
 
 
-@pytest.mark.parametrize("options", list(AMX_DECODE_CASES.values()), ids=list(AMX_DECODE_CASES))
+@pytest.mark.parametrize("options", list(DOT_DECODE_CASES.values()), ids=list(DOT_DECODE_CASES))
 def test_bfloat16_decode_on_the_dot_product_units_matches_oracle(options) -> None:
-    """bfloat16 decode (at most kDotMaxRows stacked rows: group 4 x 1-2 queries) over 600 keys, whose
-    last key tile is partial, on the AMX decode kernel or the `vdpbf16ps` one where the level has
-    them, the float32 vector one elsewhere; the first case's single (b, kv head) item splits its keys across threads."""
+    """bfloat16 decode (at most kDotMaxRows stacked rows: 1-8, group 4 x 1-2 queries by default) over
+    600 keys, whose last key tile is partial, on the AMX decode kernel or the `vdpbf16ps` one where
+    the level has them, the float32 vector one elsewhere; the first case's single (b, kv head) item
+    splits its keys across threads.  The row counts take every row grouping of the `vdpbf16ps`
+    scores (4, 2, 1) and every O width (Dv 32-160: whole blocks and a 32-column rest)."""
     case = _bfloat16_case(options, group=4, seq_q=1)
     problem = _problem_of(case)
     kernel = _flash.forward_kernel(problem, case.seq_q, cpu_backend.AMX_KEY_TILE)

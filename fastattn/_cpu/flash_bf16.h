@@ -406,12 +406,20 @@ static void forward_block_dpbf16(const FwdParams& p, char* scratch, int64_t b, i
  * With rows <= kDotMaxRows the vector path, forward_block_dot, converts every K and V element to
  * float32 and runs R x (D + Dv) FMAs per key: for bfloat16 its arithmetic, not the memory, sets the
  * pace.  Here its layout stays (vectors along D for the scores, the softmax along each row's keys,
- * O rows [r][Dv] in registers) and the products take bfloat16 as it lies:
- *   S[r][j] = K[j] . q[r]   per 16 keys, 16 accumulators a row of `vdpbf16ps` along D (K rows in
- *                           place, q unscaled), folded by reduce_lanes, then scaled;
- *   O[r][:] += P[r] V       P rounded to bfloat16 in pairs of keys, V in row pairs (pack_row_pairs),
- *                           O's R x NV vectors in registers (pairs_dot).
- * Every step also issues a few lines of the next tile's prefetches (forward_block_dot's SpreadPrefetch).
+ * O rows [r][Dv]) and the products take bfloat16 as it lies, K and V read in place:
+ *   S[r][j] = K[j] . q[r]   blocks of RB rows x KB keys (RB x KB = 16: 4 x 4, or 2 x 8, 1 x 16 for
+ *                           the last rows), 16 accumulators of `vdpbf16ps` along D, each K vector
+ *                           loaded once for the RB rows (half a load per vdpbf16ps at 4 x 4), the
+ *                           16 dot products folded together by reduce_lanes, then scaled;
+ *   O[r][:] += P[r] V       P rounded to bfloat16, a pair of keys a step: V rows j and j + 1
+ *                           interleaved in registers (vpunpck{l,h}wd, in-lane: one instruction per
+ *                           16 columns and no store), O's R x NV vectors in registers.  The
+ *                           interleave leaves each 32 columns of O in the order [c0-3, c8-11,
+ *                           c16-19, c24-27 | c4-7, ...], which the rescales ignore and the end undoes.
+ * On a 2-core Zen 5 (K and V in cache, one thread) this reads 34 GB/s where the version that
+ * interleaved V through memory and took K once per row read 20: that version, not the memory, set
+ * the decode's pace.  Every step also issues a few lines of the next tile's prefetches
+ * (forward_block_dot's SpreadPrefetch; without them the decode from DRAM runs at half the speed).
  * Taken when: bfloat16, D and Dv multiples of 32, key_tile of 32, no rerun that skips zero weights.
  */
 static bool dpbf16_decode_applies(const FwdParams& p, int64_t rows) {
@@ -419,10 +427,116 @@ static bool dpbf16_decode_applies(const FwdParams& p, int64_t rows) {
            !p.skip_zero_weights;
 }
 
+/* The permutation that puts reduce_lanes' lanes back in the order of its input vectors. */
+static inline __m512i reduced_lane_order() {
+    struct Table {
+        alignas(64) int32_t lane_of_vector[16];
+        Table() {
+            const int* key = reduced_lane_key<float>();
+            for (int lane = 0; lane < 16; ++lane) lane_of_vector[key[lane]] = lane;
+        }
+    };
+    static const Table table;
+    return _mm512_load_si512(table.lane_of_vector);
+}
+
+/* s[r][u] = scale * q[r] . k[u] for RB rows (q's rows D apart) and KB = 16 / RB keys (k's rows
+ * k_stride apart); s's rows N apart. */
+template <int RB, typename Between>
+static inline void decode_scores_block(const uint16_t* q, int64_t D, const uint16_t* k, int64_t k_stride, float* s,
+                                       int64_t N, __m512 scale, __m512i order, Between&& between) {
+    constexpr int KB = 16 / RB;
+    __m512 acc[16];
+    for (int u = 0; u < 16; ++u) acc[u] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d += 32) {
+        between();
+        __m512bh keys[KB];
+        for (int u = 0; u < KB; ++u) keys[u] = (__m512bh)_mm512_loadu_si512(k + u * k_stride + d);
+        for (int r = 0; r < RB; ++r) {
+            const __m512bh query = (__m512bh)_mm512_loadu_si512(q + r * D + d);
+            for (int u = 0; u < KB; ++u) acc[r * KB + u] = _mm512_dpbf16_ps(acc[r * KB + u], keys[u], query);
+        }
+    }
+    /* Lane r * KB + u of `sums` is row r's score of key u: row r takes lanes [r KB, (r + 1) KB). */
+    const __m512 sums = _mm512_mul_ps(_mm512_permutexvar_ps(order, reduce_lanes<float>(acc)), scale);
+    for (int r = 0; r < RB; ++r)
+        _mm512_mask_storeu_ps(s + r * N - r * KB, (__mmask16)(((1u << KB) - 1) << (r * KB)), sums);
+}
+
+/* The scores of RB rows for the tile's n keys: blocks of KB keys, then one key at a time. */
+template <int RB, typename Between>
+static void decode_scores_rows(const uint16_t* q, int64_t D, const uint16_t* k, int64_t k_stride, int64_t n, float* s,
+                               int64_t N, float scale, Between&& between) {
+    constexpr int KB = 16 / RB;
+    const __m512i order = reduced_lane_order();
+    const __m512 scales = _mm512_set1_ps(scale);
+    int64_t j = 0;
+    for (; j + KB <= n; j += KB)
+        decode_scores_block<RB>(q, D, k + j * k_stride, k_stride, s + j, N, scales, order, between);
+    for (; j < n; ++j)
+        for (int r = 0; r < RB; ++r) {
+            __m512 acc = _mm512_setzero_ps();
+            for (int64_t d = 0; d < D; d += 32)
+                acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(k + j * k_stride + d),
+                                       (__m512bh)_mm512_loadu_si512(q + r * D + d));
+            s[r * N + j] = _mm512_reduce_add_ps(acc) * scale;
+        }
+}
+
+/* All R rows' scores: groups of 4 rows, then 2, then 1. */
+template <int R, typename Between>
+static void decode_scores(const uint16_t* q, int64_t D, const uint16_t* k, int64_t k_stride, int64_t n, float* s,
+                          int64_t N, float scale, Between&& between) {
+    constexpr int fours = R / 4 * 4, twos = fours + (R - fours) / 2 * 2;
+    for (int r = 0; r < fours; r += 4) decode_scores_rows<4>(q + r * D, D, k, k_stride, n, s + r * N, N, scale, between);
+    if (twos > fours) decode_scores_rows<2>(q + fours * D, D, k, k_stride, n, s + fours * N, N, scale, between);
+    if (R > twos) decode_scores_rows<1>(q + twos * D, D, k, k_stride, n, s + twos * N, N, scale, between);
+}
+
+/* O[r][c .. c + 16 NV) += sum_j P[r][j] V[j][c ..) over the tile's n keys, a pair of keys a step
+ * (an odd n's last pair: V[n] zero, P[n] zero from round_probability_rows); O in the interleaved
+ * column order (see above), rows Dv apart. */
+template <int R, int NV, typename Between>
+static inline void decode_values(const uint16_t* probabilities, int64_t N, const uint16_t* v, int64_t v_stride,
+                                 int64_t n, float* o, int64_t Dv, Between&& between) {
+    static_assert(NV % 2 == 0, "O is held in whole 32-column chunks");
+    __m512 acc[R][NV];
+    for (int r = 0; r < R; ++r)
+        for (int i = 0; i < NV; ++i) acc[r][i] = _mm512_loadu_ps(o + r * Dv + i * 16);
+    for (int64_t j = 0; j < n; j += 2) {
+        between();
+        const bool pair = j + 1 < n;
+        __m512bh values[NV];
+        for (int c = 0; c < NV / 2; ++c) {
+            const __m512i even = _mm512_loadu_si512(v + j * v_stride + 32 * c);
+            const __m512i odd = pair ? _mm512_loadu_si512(v + (j + 1) * v_stride + 32 * c) : _mm512_setzero_si512();
+            values[2 * c] = (__m512bh)_mm512_unpacklo_epi16(even, odd);
+            values[2 * c + 1] = (__m512bh)_mm512_unpackhi_epi16(even, odd);
+        }
+        for (int r = 0; r < R; ++r) {
+            const __m512bh weights = broadcast_pair(probabilities + r * N + j);
+            for (int i = 0; i < NV; ++i) acc[r][i] = _mm512_dpbf16_ps(acc[r][i], values[i], weights);
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int i = 0; i < NV; ++i) _mm512_storeu_ps(o + r * Dv + i * 16, acc[r][i]);
+}
+
+/* Undoes decode_values' column order in one row of O (Dv a multiple of 32). */
+static inline void deinterleave_columns(float* o, int64_t Dv) {
+    alignas(64) static const int32_t first_index[16] = {0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23};
+    const __m512i first = _mm512_load_si512(first_index), second = _mm512_add_epi32(first, _mm512_set1_epi32(8));
+    for (int64_t c = 0; c < Dv; c += 32) {
+        const __m512 low = _mm512_loadu_ps(o + c), high = _mm512_loadu_ps(o + c + 16);
+        _mm512_storeu_ps(o + c, _mm512_permutex2var_ps(low, first, high));
+        _mm512_storeu_ps(o + c + 16, _mm512_permutex2var_ps(low, second, high));
+    }
+}
+
 template <int R>
 static void forward_decode_dpbf16(const FwdParams& p, char* scratch, int64_t b, int64_t kvh, int64_t q0, int64_t qn,
                                   int64_t k_begin, int64_t k_end, float* partial_out, float* partial_lse) {
-    constexpr int NV = R > 4 ? 2 : 4; /* O vectors of 16 columns per row in registers */
+    constexpr int NV = R > 4 ? 2 : R > 2 ? 4 : 8; /* O vectors of 16 columns per row in registers */
     const int64_t D = p.head_dim, Dv = p.head_dim_v, N = p.key_tile;
     const int64_t dv_main = Dv / (16 * NV) * (16 * NV);
     PairBuffers buffers;
@@ -431,7 +545,6 @@ static void forward_decode_dpbf16(const FwdParams& p, char* scratch, int64_t b, 
     float* s = buffers.s;                 /* [R][N] */
     float* o = buffers.o;                 /* [R][Dv] */
     uint16_t* probabilities = buffers.pb; /* [R][N] */
-    uint16_t* value_pairs = buffers.vt;   /* [N/2][Dv][2] */
     int64_t head[R], query[R];
     float position[R], row_max[R], row_sum[R];
     start_rows<float>(p, kvh, q0, qn, R, head, query, position, row_max, row_sum);
@@ -442,56 +555,29 @@ static void forward_decode_dpbf16(const FwdParams& p, char* scratch, int64_t b, 
 
     int64_t lo, hi;
     visible_keys(p, b, q0, qn, k_begin, k_end, &lo, &hi);
-    const __m512 scale = _mm512_set1_ps((float)p.scale);
-    const int* lane_key = reduced_lane_key<float>();
     for (int64_t kt = lo; kt < hi; kt += N) {
         const int64_t n = std::min(N, hi - kt), pairs = (n + 1) / 2;
         if (p.mask_kind != MASK_NONE && mask_hides_tile(p, b, kvh, q0, qn, kt, n)) continue;
         const uint16_t* k = at<uint16_t>(p.k, b * p.k_stride[0] + kvh * p.k_stride[1] + kt * p.k_stride[2]);
         const uint16_t* v = at<uint16_t>(p.v, b * p.v_stride[0] + kvh * p.v_stride[1] + kt * p.v_stride[2]);
-        const int64_t k_stride = p.k_stride[2];
         SpreadPrefetch<uint16_t> ahead(p, b, kvh, kt + N, kt + N < hi ? std::min(N, hi - kt - N) : 0);
-        const int64_t calls = std::max<int64_t>(1, R * (n / 16) * (D / 32) + pairs * (1 + dv_main / (16 * NV)));
+        const int64_t calls = std::max<int64_t>(1, R * (n / 16) * (D / 32) + pairs * (Dv / (16 * NV)));
         const int64_t lines_per_call = (ahead.total_lines() + calls - 1) / calls;
         auto issue = [&] { ahead.issue(lines_per_call); };
 
-        int64_t j = 0;
-        for (; j + 16 <= n; j += 16)
-            for (int r = 0; r < R; ++r) {
-                __m512 acc[16];
-                for (int u = 0; u < 16; ++u) acc[u] = _mm512_setzero_ps();
-                for (int64_t d = 0; d < D; d += 32) {
-                    issue();
-                    const __m512bh qv = (__m512bh)_mm512_loadu_si512(q + r * D + d);
-                    for (int u = 0; u < 16; ++u)
-                        acc[u] = _mm512_dpbf16_ps(acc[u], (__m512bh)_mm512_loadu_si512(k + (j + u) * k_stride + d), qv);
-                }
-                const __m512 sums = _mm512_mul_ps(reduce_lanes<float>(acc), scale);
-                alignas(64) float lanes[16];
-                _mm512_store_ps(lanes, sums);
-                for (int lane = 0; lane < 16; ++lane) s[r * N + j + lane_key[lane]] = lanes[lane];
-            }
-        for (; j < n; ++j)
-            for (int r = 0; r < R; ++r) {
-                __m512 acc = _mm512_setzero_ps();
-                for (int64_t d = 0; d < D; d += 32)
-                    acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(k + j * k_stride + d),
-                                           (__m512bh)_mm512_loadu_si512(q + r * D + d));
-                s[r * N + j] = _mm512_reduce_add_ps(acc) * (float)p.scale;
-            }
-
+        decode_scores<R>(q, D, k, p.k_stride[2], n, s, N, (float)p.scale, issue);
         softmax_rows<float>(p, s, N, R, n, kt, b, kvh, q0, qn, head, query, position, row_max, row_sum, o);
         round_probability_rows(s, N, R, n, round_up(2 * pairs, 16), probabilities); /* an odd n's key n: 0 */
-        auto value_row = [&](int64_t i) -> const uint16_t* { return i < n ? v + i * p.v_stride[2] : nullptr; };
-        pack_row_pairs(value_row, 2 * pairs, Dv, value_pairs, issue);
         for (int64_t c = 0; c < dv_main; c += 16 * NV)
-            pairs_dot<R, NV, true>(probabilities, N, 2, value_pairs + 2 * c, 32, 2 * Dv, pairs, o + c, Dv, issue);
+            decode_values<R, NV>(probabilities, N, v + c, p.v_stride[2], n, o + c, Dv, issue);
         for (int64_t c = dv_main; c < Dv; c += 32)
-            pairs_dot<R, 2, true>(probabilities, N, 2, value_pairs + 2 * c, 32, 2 * Dv, pairs, o + c, Dv, issue);
+            decode_values<R, 2>(probabilities, N, v + c, p.v_stride[2], n, o + c, Dv, issue);
     }
-    for (int r = 0; r < R; ++r)
+    for (int r = 0; r < R; ++r) {
+        deinterleave_columns(o + r * Dv, Dv);
         write_row<float, bfloat16_bits>(p, b, head[r], query[r], r, o + r * Dv, 1, row_max[r], row_sum[r], partial_out,
                                         partial_lse);
+    }
 }
 
 static void forward_decode_dpbf16(const FwdParams& p, char* scratch, int64_t b, int64_t kvh, int64_t q0, int64_t qn,
