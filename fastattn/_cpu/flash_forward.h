@@ -515,11 +515,51 @@ static void forward_block(const FwdParams& p, T* scratch, int64_t b, int64_t kvh
 /* ---- one work item with few rows (decode) -------------------------------------------------------- */
 
 /* With R <= kDotMaxRows query rows, rows-as-lanes would leave most lanes idle.  Here the vectors
- * run along the head dimension instead: S[r][j] = dot(K[j], q[r]) (R accumulators, one
- * reduction per score), the softmax runs along keys, and O[r][:] += P[r][j] V[j][:] keeps
+ * run along the head dimension instead: S[r][j] = dot(K[j], q[r]) (blocks of rows x keys, each K
+ * vector loaded once for a block's rows, L dot products reduced together), the softmax runs along keys, and O[r][:] += P[r][j] V[j][:] keeps
  * R x CB vectors of O in registers while the tile's V rows stream past.  Same masking, key range
  * and output conventions as forward_block. */
 constexpr int kDotMaxRows = 8;
+
+/* Rows whose scores share each K vector: RB x KB = L dot products a block (4 x 4 with 16 lanes),
+ * so a step loads KB + RB vectors for L FMAs, not L + 1. */
+template <typename T> constexpr int kDotRowBlock = Vec<T>::lanes >= 8 ? 4 : Vec<T>::lanes / 2;
+
+/* s[r][u] = q[r] . keys[u] for RB rows (q's rows D apart) and KB = L / RB keys (keys' rows
+ * key_stride apart): L accumulators along D, reduced together; s's rows N apart. */
+template <typename T, int RB, typename Between>
+static inline void dot_scores_block(const T* q, int64_t D, const T* keys, int64_t key_stride, T* s, int64_t N,
+                                    Between&& between) {
+    typedef typename Vec<T>::type V;
+    constexpr int L = Vec<T>::lanes, KB = L / RB;
+    V acc[L];
+    for (int u = 0; u < L; ++u) acc[u] = V{};
+    for (int64_t d = 0; d < D; d += L) {
+        between();
+        V k[KB];
+        for (int u = 0; u < KB; ++u) k[u] = vload<V>(keys + u * key_stride + d);
+        for (int r = 0; r < RB; ++r) {
+            const V qv = vload<V>(q + r * D + d);
+            for (int u = 0; u < KB; ++u) acc[r * KB + u] += k[u] * qv;
+        }
+    }
+    const V sums = reduce_lanes<T>(acc);
+    const int* lane_key = reduced_lane_key<T>();
+    for (int lane = 0; lane < L; ++lane) s[lane_key[lane] / KB * N + lane_key[lane] % KB] = sums[lane];
+}
+
+/* The scores of `rows` rows against L keys: groups of RB rows, the rest in groups of RB / 2, ... */
+template <typename T, int RB, typename Between>
+static void dot_scores(int64_t rows, const T* q, int64_t D, const T* keys, int64_t key_stride, T* s, int64_t N,
+                       Between&& between) {
+    constexpr int KB = Vec<T>::lanes / RB;
+    int64_t r = 0;
+    for (; r + RB <= rows; r += RB)
+        for (int u = 0; u < Vec<T>::lanes; u += KB)
+            dot_scores_block<T, RB>(q + r * D, D, keys + u * key_stride, key_stride, s + r * N + u, N, between);
+    if constexpr (RB > 1)
+        if (r < rows) dot_scores<T, RB / 2>(rows - r, q + r * D, D, keys, key_stride, s + r * N, N, between);
+}
 
 /* o[r][0 : CB*L] += sum_j s[r][j] v[j][0 : CB*L] for the R rows (row r of o at o + r * o_stride, of s
  * at s + r * s_stride), the R x CB output vectors in registers while the n value rows stream past
@@ -664,11 +704,10 @@ static void forward_block_dot(const FwdParams& p, T* scratch, int64_t b, int64_t
         const int64_t lines_per_call = (ahead.total_lines() + calls - 1) / calls;
         auto issue = [&] { ahead.issue(lines_per_call); };
 
-        /* Scores: dot products along D.  Full blocks of L keys keep L accumulators per row and
-         * reduce them together (reduce_lanes); the rest take one horizontal sum per score. */
+        /* Scores: dot products along D.  Full blocks of L keys run as blocks of rows x keys whose L
+         * accumulators are reduced together (dot_scores); the rest take one horizontal sum per score. */
         int64_t j_done = 0;
         if (d_main == D) {
-            const int* lane_key = reduced_lane_key<T>();
             for (; j_done + L <= n; j_done += L) {
                 const T* keys;
                 int64_t key_stride;
@@ -681,17 +720,7 @@ static void forward_block_dot(const FwdParams& p, T* scratch, int64_t b, int64_t
                     keys = k_block;
                     key_stride = D;
                 }
-                for (int r = 0; r < R; ++r) {
-                    V acc[L];
-                    for (int jj = 0; jj < L; ++jj) acc[jj] = V{};
-                    for (int64_t d = 0; d < D; d += L) {
-                        ahead.issue(lines_per_call);
-                        const V qv = vload<V>(q + r * D + d);
-                        for (int jj = 0; jj < L; ++jj) acc[jj] += vload<V>(keys + jj * key_stride + d) * qv;
-                    }
-                    const V sums = reduce_lanes<T>(acc);
-                    for (int lane = 0; lane < L; ++lane) s[r * N + j_done + lane_key[lane]] = sums[lane];
-                }
+                dot_scores<T, kDotRowBlock<T>>(R, q, D, keys, key_stride, s + j_done, N, issue);
             }
         }
         for (int64_t j = j_done; j < n; ++j) {

@@ -89,7 +89,7 @@ static inline V fold_pick(V a, V b, std::integer_sequence<int, I...>) {
 }
 
 template <typename V, int L, int W> struct FoldLevels {
-    static inline void run(V* x) {
+    __attribute__((always_inline)) static inline void run(V* x) {
         using Lanes = std::make_integer_sequence<int, L>;
         for (int i = 0; i < W / 2; ++i)
             x[i] = fold_pick<V, L, W, 0>(x[2 * i], x[2 * i + 1], Lanes{}) +

@@ -107,6 +107,21 @@ def test_decode_single_query(backend: str, device: str, case: Case, seq_k: int) 
     )
 
 
+@pytest.mark.parametrize("dtype", ["float64", "float32", "float16"])
+@pytest.mark.parametrize("rows", range(1, 9))
+def test_cpu_decode_every_row_count_matches_oracle(rows: int, dtype: str) -> None:
+    """Sq = 1 with 1-8 stacked query rows (the GQA group) on the cpu decode: every row grouping of
+    its score blocks (4, 2 and 1 rows a block), whole blocks of keys and the one-key-at-a-time rest
+    (301 keys, lengths 301 and 77), O in whole vector blocks and a rest (Dv 80), at this level's
+    vector width."""
+    case = Case(
+        batch=2, heads_kv=2, group=rows, seq_q=1, seq_k=301, head_dim=64, head_dim_v=80, dtype=dtype,
+        layout="bhsd", causal="bottom_right", window=None, mask_kind=None, mask_shape=None, key_lengths=(301, 77),
+        softcap=None, scale=None, strided="strided", seed=int(np.random.default_rng().integers(2**32)),
+    )
+    check_forward("cpu", "cpu", case)
+
+
 def test_fully_masked_rows_are_zero_with_minus_inf_lse(backend: str) -> None:
     rng = np.random.default_rng()
     q = rng.standard_normal((1, 2, 6, 16))
