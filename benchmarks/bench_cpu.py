@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import datetime
+import functools
 import json
 import math
 import os
@@ -60,6 +61,10 @@ CASES: dict[str, tuple[int, int, int, int, int, int, bool]] = {
     "C5": (1, 32, 8, 2048, 2048, 128, True),
     "C6": (8, 32, 8, 1, 4096, 128, False),
 }
+
+#: Cases with at most this many query positions are decodes (issue #23): their rounds also time a
+#: streaming read of their K and V's size.
+DECODE_ROWS = 16
 
 #: Mask variants (``--masks``), each random in its own way (``make_mask``); "none" is the plain case.
 MASKS = {
@@ -191,9 +196,6 @@ def ceilings(torch: Any, repeats: int, threads: int, dtype: str = "float32") -> 
         found["sgemm torch"] = 2 * SGEMM_SIZE**3 / median_seconds(lambda: torch.mm(a, a), repeats) / 1e9
     native = _machine_ceilings()
     if native is not None:
-        native.fma_peak_gflops.restype = native.read_gbytes_per_s.restype = ctypes.c_double
-        native.fma_peak_gflops.argtypes = [ctypes.c_long, ctypes.c_int]
-        native.read_gbytes_per_s.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         native.fma_peak_gflops(10**6, threads)
         found["fma peak"] = statistics.median(native.fma_peak_gflops(2 * 10**7, threads) for _ in range(repeats))
         buffer = np.ones(1 << 28, dtype=np.float32)  # 1 GiB, far beyond any cache
@@ -227,8 +229,9 @@ def half_gemm_gflops(torch: Any, dtype: str, repeats: int) -> float:
     return rate(SGEMM_SIZE, repeats)
 
 
+@functools.lru_cache(maxsize=1)
 def _machine_ceilings() -> Any:
-    """machine_ceilings.c built for this CPU and loaded, or None without a C compiler with OpenMP."""
+    """machine_ceilings.c built for this CPU and loaded (once), or None without a C compiler with OpenMP."""
     compiler = os.environ.get("CC", "cc")
     if shutil.which(compiler) is None:
         return None
@@ -241,7 +244,27 @@ def _machine_ceilings() -> Any:
     if built.returncode != 0:
         print(f"machine_ceilings.c did not build: {built.stderr.strip()[:300]}", file=sys.stderr)
         return None
-    return ctypes.CDLL(str(library))
+    native = ctypes.CDLL(str(library))
+    native.fma_peak_gflops.restype = native.read_gbytes_per_s.restype = ctypes.c_double
+    native.fma_peak_gflops.argtypes = [ctypes.c_long, ctypes.c_int]
+    native.read_gbytes_per_s.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return native
+
+
+#: The row of a decode case that streams a buffer of its K and V's size (``run_case``).
+STREAMING_READ = "streaming read"
+
+
+def streaming_read(nbytes: int, threads: int) -> Callable[[], Any] | None:
+    """A runner of machine_ceilings.c's streaming sum over a fresh buffer of ``nbytes`` on ``threads``
+    threads (None without the library): timed in a decode case's rounds, it is the read bandwidth
+    of the same bytes under the same conditions (the host's bandwidth drifts by tens of percent
+    over minutes, so a ceiling measured before the cases can differ from the one the case met)."""
+    native = _machine_ceilings()
+    if native is None:
+        return None
+    buffer = np.ones(nbytes // 4, dtype=np.float32)
+    return lambda: native.read_gbytes_per_s(buffer.ctypes.data, buffer.size, threads)
 
 
 def machine_description() -> dict[str, Any]:
@@ -379,6 +402,10 @@ def run_case(
     runs = {label: make(q, k, v, dout, causal, mask) for label, make in impls.items()}
     if mask is not None and "fastattn cpu" in impls:
         runs["fastattn cpu unmasked"] = impls["fastattn cpu"](q, k, v, dout, causal)
+    if direction == "forward" and seq_q <= DECODE_ROWS and "fastattn cpu" in impls:
+        read = streaming_read(kv_bytes, fastattn.get_num_threads())
+        if read is not None:
+            runs[STREAMING_READ] = read
     medians = interleaved_medians(runs, repeats)
     return [
         {
@@ -387,7 +414,7 @@ def run_case(
             "mask": mask_kind,
             "implementation": label,
             "median_ms": 1e3 * seconds,
-            "gflops": flops / seconds / 1e9,
+            "gflops": None if label == STREAMING_READ else flops / seconds / 1e9,
             "kv_gbytes_per_s": kv_bytes / seconds / 1e9,
         }
         for label, seconds in medians.items()
@@ -451,8 +478,9 @@ def _key(row: dict[str, Any]) -> tuple[str, str, str]:
 def format_table(rows: list[dict[str, Any]], ceiling: dict[str, float], dtype: str = "float32") -> str:
     """One line per (case, mask, pass, implementation): time, rates, and the ratios to torch (under
     the same mask) and to the ceilings (the gemm column: sgemm for float32, torch's gemm in the dtype
-    otherwise)."""
+    otherwise; the read column: the case's own streaming read where it has one)."""
     torch_ms = {_key(r): r["median_ms"] for r in rows if r["implementation"] == "torch sdpa"}
+    streamed = {_key(r): r["kv_gbytes_per_s"] for r in rows if r["implementation"] == STREAMING_READ}
     gemm = "of sgemm" if dtype == "float32" else "of gemm"
     header = (
         f"{'case':<15} {'pass':<16} {'implementation':<21} {'ms':>9} {'GFLOP/s':>8} {'KV GB/s':>8} "
@@ -461,13 +489,14 @@ def format_table(rows: list[dict[str, Any]], ceiling: dict[str, float], dtype: s
     lines = [header, "-" * len(header)]
     for row in rows:
         ratio = torch_ms.get(_key(row), math.nan) / row["median_ms"]
-        fma = row["gflops"] / ceiling.get("fma peak", math.nan)
-        read = row["kv_gbytes_per_s"] / ceiling.get("read bandwidth", math.nan)
+        gflops = math.nan if row["gflops"] is None else row["gflops"]
+        fma = gflops / ceiling.get("fma peak", math.nan)
+        read = row["kv_gbytes_per_s"] / streamed.get(_key(row), ceiling.get("read bandwidth", math.nan))
         mask = row.get("mask", "none")
         case = row["case"] if mask == "none" else f"{row['case']}/{mask}"
         lines.append(
             f"{case:<15} {row['pass']:<16} {row['implementation']:<21} {row['median_ms']:>9.2f} "
-            f"{row['gflops']:>8.1f} {row['kv_gbytes_per_s']:>8.1f} {ratio:>8.2f}x {row['gflops'] / ceiling['gemm']:>8.0%} "
+            f"{gflops:>8.1f} {row['kv_gbytes_per_s']:>8.1f} {ratio:>8.2f}x {gflops / ceiling['gemm']:>8.0%} "
             f"{fma:>7.0%} {read:>8.0%}"
         )
     return "\n".join(lines)
@@ -485,6 +514,8 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, float]:
             ratios[name] = by_key[(key, "torch sdpa")] / ms
         if label == "fastattn cpu" and (key, "fastattn cpu unmasked") in by_key:
             ratios[f"{name} cost"] = ms / by_key[(key, "fastattn cpu unmasked")]
+        if label == "fastattn cpu" and (key, STREAMING_READ) in by_key:
+            ratios[f"{name} of read"] = by_key[(key, STREAMING_READ)] / ms
     for direction in ("forward", "forward+backward"):
         chosen = [ratios[f"{c} {direction}"] for c in ("C1", "C2", "C3", "C4", "C5") if f"{c} {direction}" in ratios]
         if chosen:
