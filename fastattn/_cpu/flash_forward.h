@@ -526,9 +526,10 @@ constexpr int kDotMaxRows = 8;
 template <typename T> constexpr int kDotRowBlock = Vec<T>::lanes >= 8 ? 4 : Vec<T>::lanes / 2;
 
 /* s[r][u] = q[r] . keys[u] for RB rows (q's rows D apart) and KB = L / RB keys (keys' rows
- * key_stride apart): L accumulators along D, reduced together; s's rows N apart. */
-template <typename T, int RB, typename Between>
-static inline void dot_scores_block(const T* q, int64_t D, const T* keys, int64_t key_stride, T* s, int64_t N,
+ * key_stride apart, converted to T as they are loaded): L accumulators along D, reduced together;
+ * s's rows N apart. */
+template <typename T, int RB, typename In, typename Between>
+static inline void dot_scores_block(const T* q, int64_t D, const In* keys, int64_t key_stride, T* s, int64_t N,
                                     Between&& between) {
     typedef typename Vec<T>::type V;
     constexpr int L = Vec<T>::lanes, KB = L / RB;
@@ -537,7 +538,7 @@ static inline void dot_scores_block(const T* q, int64_t D, const T* keys, int64_
     for (int64_t d = 0; d < D; d += L) {
         between();
         V k[KB];
-        for (int u = 0; u < KB; ++u) k[u] = vload<V>(keys + u * key_stride + d);
+        for (int u = 0; u < KB; ++u) k[u] = load_vector<T>(keys + u * key_stride + d);
         for (int r = 0; r < RB; ++r) {
             const V qv = vload<V>(q + r * D + d);
             for (int u = 0; u < KB; ++u) acc[r * KB + u] += k[u] * qv;
@@ -549,16 +550,16 @@ static inline void dot_scores_block(const T* q, int64_t D, const T* keys, int64_
 }
 
 /* The scores of `rows` rows against L keys: groups of RB rows, the rest in groups of RB / 2, ... */
-template <typename T, int RB, typename Between>
-static void dot_scores(int64_t rows, const T* q, int64_t D, const T* keys, int64_t key_stride, T* s, int64_t N,
+template <typename T, int RB, typename In, typename Between>
+static void dot_scores(int64_t rows, const T* q, int64_t D, const In* keys, int64_t key_stride, T* s, int64_t N,
                        Between&& between) {
     constexpr int KB = Vec<T>::lanes / RB;
     int64_t r = 0;
     for (; r + RB <= rows; r += RB)
         for (int u = 0; u < Vec<T>::lanes; u += KB)
-            dot_scores_block<T, RB>(q + r * D, D, keys + u * key_stride, key_stride, s + r * N + u, N, between);
+            dot_scores_block<T, RB, In>(q + r * D, D, keys + u * key_stride, key_stride, s + r * N + u, N, between);
     if constexpr (RB > 1)
-        if (r < rows) dot_scores<T, RB / 2>(rows - r, q + r * D, D, keys, key_stride, s + r * N, N, between);
+        if (r < rows) dot_scores<T, RB / 2, In>(rows - r, q + r * D, D, keys, key_stride, s + r * N, N, between);
 }
 
 /* o[r][0 : CB*L] += sum_j s[r][j] v[j][0 : CB*L] for the R rows (row r of o at o + r * o_stride, of s
@@ -674,7 +675,7 @@ static void forward_block_dot(const FwdParams& p, T* scratch, int64_t b, int64_t
     T* q = scratch;               /* [R][D], scaled */
     T* s = q + R * D;             /* [R][N] */
     T* o = s + R * N;             /* [R][Dv] */
-    T* k_block = o + R * Dv;      /* [L][D]: a block of half-precision K rows, converted */
+    T* k_block = o + R * Dv;      /* [L][D]: a block of K rows converted (levels without vector conversions) */
     T row_max[R], row_sum[R], position[R];
     int64_t head[R], query[R];
 
@@ -693,8 +694,9 @@ static void forward_block_dot(const FwdParams& p, T* scratch, int64_t b, int64_t
     for (int64_t kt = lo; kt < hi; kt += N) {
         const int64_t n = std::min(N, hi - kt);
         if (p.mask_kind != MASK_NONE && mask_hides_tile(p, b, kvh, q0, qn, kt, n)) continue;
-        /* K and V are read where they are; half-precision rows are converted as they are used
-         * (V in registers; K a block of L rows at a time into L1 scratch, as every row reads it). */
+        /* K and V are read where they are; half-precision rows are converted as they are used, in
+         * registers (once per score block of rows), or where the level converts element by element,
+         * K a block of L rows at a time into L1 scratch, as every row reads it. */
         const In* k_rows = at<In>(p.k, b * p.k_stride[0] + kvh * p.k_stride[1] + kt * p.k_stride[2]);
         const In* v_rows = at<In>(p.v, b * p.v_stride[0] + kvh * p.v_stride[1] + kt * p.v_stride[2]);
         const int64_t k_row_stride = p.k_stride[2], v_row_stride = p.v_stride[2];
@@ -709,18 +711,14 @@ static void forward_block_dot(const FwdParams& p, T* scratch, int64_t b, int64_t
         int64_t j_done = 0;
         if (d_main == D) {
             for (; j_done + L <= n; j_done += L) {
-                const T* keys;
-                int64_t key_stride;
-                if constexpr (std::is_same<In, T>::value) {
-                    keys = k_rows + j_done * k_row_stride;
-                    key_stride = k_row_stride;
+                if constexpr (converts_in_registers<T, In>()) {
+                    dot_scores<T, kDotRowBlock<T>>(R, q, D, k_rows + j_done * k_row_stride, k_row_stride, s + j_done, N,
+                                                   issue);
                 } else {
                     for (int jj = 0; jj < L; ++jj)
                         convert_row(k_rows + (j_done + jj) * k_row_stride, k_block + jj * D, D);
-                    keys = k_block;
-                    key_stride = D;
+                    dot_scores<T, kDotRowBlock<T>>(R, q, D, k_block, D, s + j_done, N, issue);
                 }
-                dot_scores<T, kDotRowBlock<T>>(R, q, D, keys, key_stride, s + j_done, N, issue);
             }
         }
         for (int64_t j = j_done; j < n; ++j) {

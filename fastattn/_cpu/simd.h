@@ -332,6 +332,17 @@ template <> struct Store<bfloat16_bits> { static inline bfloat16_bits from(float
 template <typename T, typename In> static inline T load_as(In x) { return (T)to_float(x); }
 template <> inline double load_as<double, double>(double x) { return x; }
 
+/* Whether load_vector converts In to T in registers (else one element at a time). */
+template <typename T, typename In> constexpr bool converts_in_registers() {
+    if constexpr (std::is_same<T, In>::value || (std::is_same<T, float>::value && std::is_same<In, bfloat16_bits>::value))
+        return true;
+#if defined(__AVX512F__) || defined(__F16C__)
+    return std::is_same<T, float>::value && std::is_same<In, half_bits>::value;
+#else
+    return false;
+#endif
+}
+
 /* L consecutive stored elements as one vector of T, converted in registers: bfloat16's bits are a
  * float's high half (a widening and a shift); float16 through AVX-512's or F16C's conversion where
  * the level has one, else one element at a time. */
