@@ -226,7 +226,7 @@ static void tile_gradients(const FwdParams& p, const KvTile<T, In>& tile, Backwa
         Blocked<T, NV>::qk_all(n, tile.k, tile.k_stride, t.pack.qp + rb * D, D, t.s + rb, mp);
         Blocked<T, NV>::qk_all(n, tile.v, tile.v_stride, t.pack.dop + rb * Dv, Dv, t.dp + rb, mp);
     }
-    finish_scores<T>(p, t.s, t.cap_grad, mp, t.pack.rows, n, kt, b, kvh, q0, qn, t.pack.position);
+    finish_scores<T>(p, t.s, t.cap_grad, mp, t.pack.rows, n, kt, b, kvh, q0, qn, t.pack.position, T(1));
     const T* keep = nullptr;
     if (p.dropout_p > 0) {
         std::memset(t.keep, 0, sizeof(T) * n * mp);

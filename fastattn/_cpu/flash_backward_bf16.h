@@ -261,12 +261,7 @@ static void gradient_block_pairs(const BwdParams& bp, char* scratch, int64_t b, 
                 const int64_t mp = pack_query_tile(bp, b, kvh, q0, qn, t);
                 scores_product(k, p.k_stride[2], live, t.q_columns, D, t.s, mp, t.pad);
                 scores_product(v, p.v_stride[2], live, t.do_columns, Dv, t.dp, mp, t.pad);
-                if (scale_first) {
-                    const __m512 factor = _mm512_set1_ps(scale);
-                    for (int64_t e = 0; e < live * mp; e += 16)
-                        _mm512_storeu_ps(t.s + e, _mm512_mul_ps(_mm512_loadu_ps(t.s + e), factor));
-                }
-                finish_scores<float>(p, t.s, t.cap_grad, mp, rows, live, k0, b, kvh, q0, qn, t.position);
+                finish_scores<float>(p, t.s, t.cap_grad, mp, rows, live, k0, b, kvh, q0, qn, t.position, scale);
                 if (p.dropout_p > 0) {
                     std::memset(t.keep, 0, sizeof(float) * live * mp);
                     dropout_tile<float>(p, t.keep, mp, 1, rows, live, k0, b, kvh, q0, qn, true);

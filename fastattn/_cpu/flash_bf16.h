@@ -269,12 +269,8 @@ static void scores_to_pairs(const FwdParams& p, const PairBuffers& buffers, cons
                             int64_t kvh, int64_t q0, int64_t qn, int64_t mp, int64_t kt, int64_t n) {
     const int64_t rows = p.group * qn, Dv = p.head_dim_v;
     float* s = buffers.s;
-    const bool scale_first = p.softcap > 0 || p.mask_kind != MASK_NONE;
-    if (scale_first) {
-        const __m512 factor = _mm512_set1_ps((float)p.scale);
-        for (int64_t e = 0; e < n * mp; e += 16) _mm512_storeu_ps(s + e, _mm512_mul_ps(_mm512_loadu_ps(s + e), factor));
-    }
-    finish_scores<float>(p, s, nullptr, mp, rows, n, kt, b, kvh, q0, qn, buffers.position);
+    const bool scale_first = p.softcap > 0 || p.mask_kind != MASK_NONE; /* finish_scores scales on the way */
+    finish_scores<float>(p, s, nullptr, mp, rows, n, kt, b, kvh, q0, qn, buffers.position, (float)p.scale);
     const float score_scale = scale_first ? 1.0f : (float)p.scale;
     if (p.dropout_p > 0) {
         online_softmax<float>(s, n, mp, buffers.row_max, buffers.row_sum, buffers.o, Dv, score_scale,

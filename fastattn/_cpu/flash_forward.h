@@ -253,10 +253,12 @@ static inline void visible_keys(const FwdParams& p, int64_t b, int64_t q0, int64
  * softcap (its derivative 1 - tanh^2 saved to cap_grad when given, for the backward), the float
  * mask added or -inf where the bool mask hides a key, then -inf wherever causal/window hides a key
  * (only on tiles that straddle an edge).  Hiding comes last so that a hidden key is -inf even
- * where the float mask holds a NaN. */
+ * where the float mask holds a NaN.  The first of the softcap and mask passes multiplies the scores
+ * by `scale` on the way (1 where Q was scaled before the product; without either pass the scores
+ * are left as they are, and the softmax takes the scale). */
 template <typename T>
 static void finish_scores(const FwdParams& p, T* s, T* cap_grad, int64_t mp, int64_t rows, int64_t n, int64_t kt,
-                          int64_t b, int64_t kvh, int64_t q0, int64_t qn, const T* position) {
+                          int64_t b, int64_t kvh, int64_t q0, int64_t qn, const T* position, T scale) {
     typedef typename Vec<T>::type V;
     typedef typename Vec<T>::itype I;
     constexpr int L = Vec<T>::lanes;
@@ -264,7 +266,7 @@ static void finish_scores(const FwdParams& p, T* s, T* cap_grad, int64_t mp, int
     if (p.softcap > 0) {
         /* tanh and its derivative sech^2 from one u = exp(-2|x|): tanh = sign(x) (1 - u) / (1 + u),
          * sech^2 = 4u / (1 + u)^2, accurate where tanh saturates (1 - tanh^2 would cancel to 0). */
-        const V c = vbroadcast((T)p.softcap), ic = vbroadcast((T)(1.0 / p.softcap));
+        const V c = vbroadcast((T)p.softcap), ic = vbroadcast((T)(scale / p.softcap));
         for (int64_t e = 0; e < n * mp; e += L) {
             const V x = vload<V>(s + e) * ic;
             const V magnitude = vselect(x < V{}, -x, x);
@@ -274,7 +276,7 @@ static void finish_scores(const FwdParams& p, T* s, T* cap_grad, int64_t mp, int
             if (cap_grad) vstore(cap_grad + e, T(4) * u / ((T(1) + u) * (T(1) + u)));
         }
     }
-    if (p.mask_kind != MASK_NONE) mask_transposed<T>(p, s, mp, rows, n, kt, b, kvh, q0, qn);
+    if (p.mask_kind != MASK_NONE) mask_transposed<T>(p, s, mp, rows, n, kt, b, kvh, q0, qn, p.softcap > 0 ? T(1) : scale);
     const int64_t first_pos = q0 + p.offset, last_pos = q0 + qn - 1 + p.offset;
     const bool causal_edge = p.causal && kt + n - 1 > first_pos;
     const bool left_edge = p.window_left >= 0 && kt < last_pos - p.window_left;
@@ -495,7 +497,7 @@ static void forward_block(const FwdParams& p, T* scratch, int64_t b, int64_t kvh
                 mask_ahead.issue(mask_lines_per_call);
             });
 
-        finish_scores<T>(p, s, nullptr, mp, rows, n, kt, b, kvh, q0, qn, position);
+        finish_scores<T>(p, s, nullptr, mp, rows, n, kt, b, kvh, q0, qn, position, T(1));
 
         online_softmax<T>(s, n, mp, row_max, row_sum, o, Dv, T(1), StoreProbabilities<T>{s, n, mp});
 

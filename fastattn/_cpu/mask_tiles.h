@@ -10,8 +10,11 @@
  *    A mask whose rows differ ((B,Hq,Sq,Sk)) is read as blocks of L rows x L keys, each row's L
  *    keys one vector load (they are contiguous in memory), transposed in registers (log2 L rounds
  *    of L two-input shuffles: 64 shuffles for a 16 x 16 float block, ~0.25 cycle per score where
- *    the shuffle port is single) and applied L keys at a time.  Key tails, and masks whose key axis
- *    is not contiguous, read element by element.
+ *    the shuffle port is single) and applied L keys at a time; a bfloat16 mask over float scores
+ *    (AVX-512) is transposed as 16-bit words before it is widened, half the shuffles
+ *    (transpose_bfloat16_block).  Key tails, and masks whose key axis is not contiguous, read
+ *    element by element.  Kernels whose products leave the scores unscaled scale them in the same
+ *    pass (one pass over the tile instead of two).
  *  - row-major, S[r][j] (forward_block_dot, the decode path): a mask row is contiguous along the
  *    keys, so it is read L keys per vector load.
  *
@@ -126,6 +129,46 @@ template <typename T> static inline void transpose_lanes(typename Vec<T>::type* 
     TransposeRounds<typename Vec<T>::type, Vec<T>::lanes, 1>::run(x);
 }
 
+/* ---- a 16 x 16 bfloat16 block, transposed before it is widened ----------------------------------
+ *
+ * out[t] = rows[0..15][t] as float32 lanes.  Transposing the 16-bit words first moves half the bytes
+ * of transposing the widened floats: rows u and u + 8 share a register (8 loads), two rounds of
+ * in-lane unpacks (epi16, epi32) leave every 128-bit lane holding 4 rows x 2 keys, one two-source
+ * qword permute per pair of keys puts the row groups in order, and the widening itself is an
+ * unpack with zero (a bfloat16 is a float's high half) that leaves each key's 16 rows in lane order:
+ * 56 instructions where widening first (32) and transposing floats (64) took 112. */
+#if defined(__AVX512BW__)
+static inline void transpose_bfloat16_block(const uint16_t* const* rows, __m512* out) {
+    __m512i pairs[8]; /* rows u and u + 8 */
+    for (int u = 0; u < 8; ++u)
+        pairs[u] = _mm512_inserti64x4(
+            _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[u]))),
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[u + 8])), 1);
+    /* keys[g][i]: lanes [4 rows of group g's first half, keys 2i, 2i+1 | keys 8+2i, 9+2i | the same
+     * for rows + 8]; group 0 holds rows 0-3 (and 8-11), group 1 rows 4-7 (and 12-15). */
+    __m512i keys[2][4];
+    for (int g = 0; g < 2; ++g) {
+        const __m512i* r = pairs + 4 * g;
+        const __m512i low01 = _mm512_unpacklo_epi16(r[0], r[1]), high01 = _mm512_unpackhi_epi16(r[0], r[1]);
+        const __m512i low23 = _mm512_unpacklo_epi16(r[2], r[3]), high23 = _mm512_unpackhi_epi16(r[2], r[3]);
+        keys[g][0] = _mm512_unpacklo_epi32(low01, low23);
+        keys[g][1] = _mm512_unpackhi_epi32(low01, low23);
+        keys[g][2] = _mm512_unpacklo_epi32(high01, high23);
+        keys[g][3] = _mm512_unpackhi_epi32(high01, high23);
+    }
+    const __m512i first = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13), second = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
+    const __m512i zero = _mm512_setzero_si512();
+    for (int i = 0; i < 4; ++i) {
+        const __m512i low = _mm512_permutex2var_epi64(keys[0][i], first, keys[1][i]);   /* keys 2i, 2i+1 */
+        const __m512i high = _mm512_permutex2var_epi64(keys[0][i], second, keys[1][i]); /* keys 8+2i, 9+2i */
+        out[2 * i] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, low));
+        out[2 * i + 1] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, low));
+        out[8 + 2 * i] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, high));
+        out[9 + 2 * i] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, high));
+    }
+}
+#endif
+
 /* ---- the transposed layout S[j][rows] ---------------------------------------------------------- */
 
 /* A tile's rows in order (row r is head kvh * G + r / qn, query q0 + r % qn) and the offset of
@@ -153,16 +196,18 @@ static inline bool mask_rows_shared(const FwdParams& p) {
 
 template <typename T, typename M>
 static void mask_transposed_as(const FwdParams& p, T* s, int64_t mp, int64_t rows, int64_t n, int64_t kt,
-                               int64_t b, int64_t kvh, int64_t q0, int64_t qn) {
+                               int64_t b, int64_t kvh, int64_t q0, int64_t qn, T scale) {
     typedef typename Vec<T>::type V;
     constexpr int L = Vec<T>::lanes;
+    const V factor = vbroadcast(scale);
     const M* mask = reinterpret_cast<const M*>(p.mask);
     const int64_t key_stride = p.mask_stride[3];
     if (mask_rows_shared(p)) {
         const M* row = mask + MaskRows(p, b, kvh, q0, qn, 0).offset + kt * key_stride;
         for (int64_t j = 0; j < n; ++j) {
             const V value = vbroadcast(mask_scalar<T>(row + j * key_stride));
-            for (int64_t r = 0; r < mp; r += L) vstore(s + j * mp + r, masked<T, M>(vload<V>(s + j * mp + r), value));
+            for (int64_t r = 0; r < mp; r += L)
+                vstore(s + j * mp + r, masked<T, M>(vload<V>(s + j * mp + r) * factor, value));
         }
         return;
     }
@@ -173,14 +218,29 @@ static void mask_transposed_as(const FwdParams& p, T* s, int64_t mp, int64_t row
             row[u] = r0 + u < rows ? mask + cursor.offset + kt * key_stride : nullptr;
         int64_t j0 = 0;
         if (key_stride == 1) {
+            bool all_rows = true;
+            for (int u = 0; u < L; ++u) all_rows &= row[u] != nullptr;
             for (; j0 + L <= n; j0 += L) {
                 V block[L];
-                for (int u = 0; u < L; ++u)
-                    block[u] = row[u] ? mask_vector<T>(row[u] + j0) : vbroadcast(neutral_mask<T, M>());
-                transpose_lanes<T>(block);
+                bool transposed = false;
+#if defined(__AVX512BW__)
+                if constexpr (std::is_same<T, float>::value && std::is_same<M, bfloat16_bits>::value) {
+                    if (all_rows) {
+                        const uint16_t* words[16];
+                        for (int u = 0; u < 16; ++u) words[u] = reinterpret_cast<const uint16_t*>(row[u] + j0);
+                        transpose_bfloat16_block(words, reinterpret_cast<__m512*>(block));
+                        transposed = true;
+                    }
+                }
+#endif
+                if (!transposed) {
+                    for (int u = 0; u < L; ++u)
+                        block[u] = row[u] ? mask_vector<T>(row[u] + j0) : vbroadcast(neutral_mask<T, M>());
+                    transpose_lanes<T>(block);
+                }
                 for (int t = 0; t < L; ++t) {
                     T* scores = s + (j0 + t) * mp + r0;
-                    vstore(scores, masked<T, M>(vload<V>(scores), block[t]));
+                    vstore(scores, masked<T, M>(vload<V>(scores) * factor, block[t]));
                 }
             }
         }
@@ -189,22 +249,23 @@ static void mask_transposed_as(const FwdParams& p, T* s, int64_t mp, int64_t row
             for (int u = 0; u < L; ++u)
                 column[u] = row[u] ? mask_scalar<T>(row[u] + j * key_stride) : neutral_mask<T, M>();
             T* scores = s + j * mp + r0;
-            vstore(scores, masked<T, M>(vload<V>(scores), column));
+            vstore(scores, masked<T, M>(vload<V>(scores) * factor, column));
         }
     }
 }
 
 /* Apply the mask to a transposed score tile S[j][rows] (n keys from kt; row r is head
- * kvh * G + r / qn, query q0 + r % qn; mp padded rows, a multiple of L). */
+ * kvh * G + r / qn, query q0 + r % qn; mp padded rows, a multiple of L), each score multiplied by
+ * `scale` first (the kernels whose products leave the scores unscaled fold that pass in here). */
 template <typename T>
 static void mask_transposed(const FwdParams& p, T* s, int64_t mp, int64_t rows, int64_t n, int64_t kt, int64_t b,
-                            int64_t kvh, int64_t q0, int64_t qn) {
+                            int64_t kvh, int64_t q0, int64_t qn, T scale) {
     switch (p.mask_kind) {
-        case MASK_BOOL: mask_transposed_as<T, uint8_t>(p, s, mp, rows, n, kt, b, kvh, q0, qn); break;
-        case MASK_FLOAT32: mask_transposed_as<T, float>(p, s, mp, rows, n, kt, b, kvh, q0, qn); break;
-        case MASK_FLOAT64: mask_transposed_as<T, double>(p, s, mp, rows, n, kt, b, kvh, q0, qn); break;
-        case MASK_FLOAT16: mask_transposed_as<T, half_bits>(p, s, mp, rows, n, kt, b, kvh, q0, qn); break;
-        case MASK_BFLOAT16: mask_transposed_as<T, bfloat16_bits>(p, s, mp, rows, n, kt, b, kvh, q0, qn); break;
+        case MASK_BOOL: mask_transposed_as<T, uint8_t>(p, s, mp, rows, n, kt, b, kvh, q0, qn, scale); break;
+        case MASK_FLOAT32: mask_transposed_as<T, float>(p, s, mp, rows, n, kt, b, kvh, q0, qn, scale); break;
+        case MASK_FLOAT64: mask_transposed_as<T, double>(p, s, mp, rows, n, kt, b, kvh, q0, qn, scale); break;
+        case MASK_FLOAT16: mask_transposed_as<T, half_bits>(p, s, mp, rows, n, kt, b, kvh, q0, qn, scale); break;
+        case MASK_BFLOAT16: mask_transposed_as<T, bfloat16_bits>(p, s, mp, rows, n, kt, b, kvh, q0, qn, scale); break;
         default: break;
     }
 }
