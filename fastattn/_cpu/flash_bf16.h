@@ -484,7 +484,8 @@ template <int R, typename Between>
 static void decode_scores(const uint16_t* q, int64_t D, const uint16_t* k, int64_t k_stride, int64_t n, float* s,
                           int64_t N, float scale, Between&& between) {
     constexpr int fours = R / 4 * 4, twos = fours + (R - fours) / 2 * 2;
-    for (int r = 0; r < fours; r += 4) decode_scores_rows<4>(q + r * D, D, k, k_stride, n, s + r * N, N, scale, between);
+    for (int r = 0; r < fours; r += 4)
+        decode_scores_rows<4>(q + r * D, D, k, k_stride, n, s + r * N, N, scale, between);
     if (twos > fours) decode_scores_rows<2>(q + fours * D, D, k, k_stride, n, s + fours * N, N, scale, between);
     if (R > twos) decode_scores_rows<1>(q + twos * D, D, k, k_stride, n, s + twos * N, N, scale, between);
 }

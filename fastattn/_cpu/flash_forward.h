@@ -276,7 +276,8 @@ static void finish_scores(const FwdParams& p, T* s, T* cap_grad, int64_t mp, int
             if (cap_grad) vstore(cap_grad + e, T(4) * u / ((T(1) + u) * (T(1) + u)));
         }
     }
-    if (p.mask_kind != MASK_NONE) mask_transposed<T>(p, s, mp, rows, n, kt, b, kvh, q0, qn, p.softcap > 0 ? T(1) : scale);
+    if (p.mask_kind != MASK_NONE)
+        mask_transposed<T>(p, s, mp, rows, n, kt, b, kvh, q0, qn, p.softcap > 0 ? T(1) : scale);
     const int64_t first_pos = q0 + p.offset, last_pos = q0 + qn - 1 + p.offset;
     const bool causal_edge = p.causal && kt + n - 1 > first_pos;
     const bool left_edge = p.window_left >= 0 && kt < last_pos - p.window_left;
@@ -518,8 +519,9 @@ static void forward_block(const FwdParams& p, T* scratch, int64_t b, int64_t kvh
 
 /* With R <= kDotMaxRows query rows, rows-as-lanes would leave most lanes idle.  Here the vectors
  * run along the head dimension instead: S[r][j] = dot(K[j], q[r]) (blocks of rows x keys, each K
- * vector loaded once for a block's rows, L dot products reduced together), the softmax runs along keys, and O[r][:] += P[r][j] V[j][:] keeps
- * R x CB vectors of O in registers while the tile's V rows stream past.  Same masking, key range
+ * vector loaded once for a block's rows, L dot products reduced together), the softmax runs along
+ * keys, and O[r][:] += P[r][j] V[j][:] keeps R x CB vectors of O in registers while the tile's V
+ * rows stream past.  Same masking, key range
  * and output conventions as forward_block. */
 constexpr int kDotMaxRows = 8;
 

@@ -156,7 +156,8 @@ static inline void transpose_bfloat16_block(const uint16_t* const* rows, __m512*
         keys[g][2] = _mm512_unpacklo_epi32(high01, high23);
         keys[g][3] = _mm512_unpackhi_epi32(high01, high23);
     }
-    const __m512i first = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13), second = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
+    const __m512i first = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13);
+    const __m512i second = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
     const __m512i zero = _mm512_setzero_si512();
     for (int i = 0; i < 4; ++i) {
         const __m512i low = _mm512_permutex2var_epi64(keys[0][i], first, keys[1][i]);   /* keys 2i, 2i+1 */

@@ -334,8 +334,8 @@ template <> inline double load_as<double, double>(double x) { return x; }
 
 /* Whether load_vector converts In to T in registers (else one element at a time). */
 template <typename T, typename In> constexpr bool converts_in_registers() {
-    if constexpr (std::is_same<T, In>::value || (std::is_same<T, float>::value && std::is_same<In, bfloat16_bits>::value))
-        return true;
+    constexpr bool widened = std::is_same<T, float>::value && std::is_same<In, bfloat16_bits>::value;
+    if constexpr (std::is_same<T, In>::value || widened) return true;
 #if defined(__AVX512F__) || defined(__F16C__)
     return std::is_same<T, float>::value && std::is_same<In, half_bits>::value;
 #else
