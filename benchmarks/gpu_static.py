@@ -16,11 +16,12 @@ compile it as CI does (nvcc, ``-arch=sm_90`` by default) and report, from ptxas 
 
     python benchmarks/gpu_static.py                      # the table, every instance
     python benchmarks/gpu_static.py --only flash_forward --json benchmarks/results/gpu-static.json
-    python benchmarks/gpu_static.py --check               # CI: exit 1 when a goal below is broken
+    python benchmarks/gpu_static.py --only flash_forward,flash_decode --check   # CI: exit 1 when a goal below is broken
 
 The goals ``--check`` holds (issue #21, those met so far): the tensor-core forward's interior loop
-at <= 6 instructions per HMMA at head_dim 64 and 128 (without softcap or dropout), and no spill in
-any tensor-core forward instance.
+at <= 6 instructions per HMMA at head_dim 64 and 128 (without softcap or dropout), the tensor-core
+decode's at <= 1 instruction per 16 bytes of K/V at every head_dim (without softcap), and no spill
+in any instance of either.
 
 Static counts are an upper bound on what a warp issues per loop trip (a branch skips part of the
 body), and exact for straight-line bodies, which the compile-time masking of issue #21 makes them.
@@ -204,8 +205,10 @@ def shared_bytes_of(kernel: str) -> int:
     if name == "flash_backward_dq":
         return backward.dq_shared_bytes(int(arguments[1]))
     if name == "flash_decode":
-        dtype = {"__half": "float16", "__nv_bfloat16": "bfloat16", "float": "float32"}[arguments[0]]
-        return decode.shared_bytes(dtype, int(arguments[1]), int(arguments[2]))
+        dtype = {"__half": "float16", "__nv_bfloat16": "bfloat16"}[arguments[0]]
+        return decode.shared_bytes(dtype, int(arguments[1]), decode.TENSOR_CORE_ROWS)
+    if name == "flash_decode_fp32":
+        return decode.shared_bytes("float32", int(arguments[0]), int(arguments[1]))
     if name == "fp32_forward":
         return fp32.forward_shared_bytes(int(arguments[0]))
     if name == "fp32_backward_kv":
@@ -225,6 +228,7 @@ def threads_of(kernel: str) -> int:
         "flash_backward_prepare": backward.PREPARE_THREADS,
         "flash_backward_dq_convert": backward.CONVERT_THREADS,
         "flash_decode": decode.THREADS,
+        "flash_decode_fp32": decode.THREADS,
         "decode_combine": decode.THREADS,
     }.get(name, fp32.THREADS)
 
@@ -242,9 +246,12 @@ def blocks_per_sm(registers: int, threads: int, shared: int) -> int:
 def decode_tile_bytes(kernel: str) -> int:
     """K and V bytes of one tile of a decode instance."""
     arguments = [part.strip() for part in kernel[kernel.index("<") + 1 : -1].split(",")]
-    itemsize = {"__half": 2, "__nv_bfloat16": 2, "float": 4}[arguments[0]]
-    head_dim = int(arguments[1])
-    return 2 * decode.block_keys("float32" if itemsize == 4 else "float16", head_dim) * head_dim * itemsize
+    if kernel.split("::")[1].startswith("flash_decode_fp32"):
+        dtype, head_dim = "float32", int(arguments[0])
+    else:
+        dtype, head_dim = "float16", int(arguments[1])
+    itemsize = 4 if dtype == "float32" else 2
+    return 2 * decode.block_keys(dtype, head_dim) * head_dim * itemsize
 
 
 def analyse(arch: str, only: set[str] | None) -> list[KernelStats]:
@@ -271,7 +278,7 @@ def analyse(arch: str, only: set[str] | None) -> list[KernelStats]:
                 threads = threads_of(kernel)
                 shared = shared_bytes_of(kernel)
                 per_16 = None
-                if family == "flash_decode" and loop:
+                if family in ("flash_decode", "flash_decode_fp32") and loop:
                     per_16 = len(loop) * (threads // 32) / (decode_tile_bytes(kernel) / 16)
                 rows.append(
                     KernelStats(
@@ -336,14 +343,18 @@ def goals_broken(rows: list[KernelStats]) -> list[str]:
     """The rows that break a goal ``--check`` holds, as lines."""
     broken = []
     for row in rows:
-        if row.op != "flash_forward":
+        family = row.kernel.split("::")[1].split("<")[0]
+        if family not in ("flash_forward", "flash_decode"):
             continue
         if row.spill_bytes:
             broken.append(f"{row.kernel}: spills {row.spill_bytes} bytes")
         head_dim = int(row.kernel.split(",")[1])
-        plain = row.kernel.endswith("false, false>")
-        if plain and head_dim in (64, 128) and (row.per_hmma is None or row.per_hmma > 6):
-            broken.append(f"{row.kernel}: {row.per_hmma} instructions per HMMA in its interior loop (goal <= 6)")
+        if family == "flash_forward":
+            plain = row.kernel.endswith("false, false>")
+            if plain and head_dim in (64, 128) and (row.per_hmma is None or row.per_hmma > 6):
+                broken.append(f"{row.kernel}: {row.per_hmma} instructions per HMMA in its interior loop (goal <= 6)")
+        elif row.kernel.endswith("false>") and (row.per_16_bytes is None or row.per_16_bytes > 1):
+            broken.append(f"{row.kernel}: {row.per_16_bytes} instructions per 16 bytes of K/V (goal <= 1)")
     return broken
 
 

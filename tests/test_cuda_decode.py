@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
 
 import numpy as np
 import pytest
@@ -20,6 +19,7 @@ import fastattn
 from fastattn import _arrays
 from fastattn._gpu import decode
 
+from ._decode_cases import FEATURES, decode_case, ragged
 from ._poison import poisoned_allocator
 from .conformance._cases import Case, bhsd_float64, relative_error
 from .conformance.test_forward import check_forward
@@ -49,20 +49,6 @@ def decode_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
     return calls
 
 
-def decode_case(**changes: Any) -> Case:
-    base = Case(
-        batch=3, heads_kv=2, group=4, seq_q=1, seq_k=63, head_dim=128, head_dim_v=128, dtype="float32",
-        layout="bhsd", causal="bottom_right", window=None, mask_kind=None, mask_shape=None, key_lengths=None,
-        softcap=None, scale=None, strided="contiguous", seed=1234,
-    )  # fmt: skip
-    return dataclasses.replace(base, **changes)
-
-
-def ragged(seq_k: int, batch: int = 3) -> tuple[int, ...]:
-    """Per-row lengths: full, an odd part, and 0 (a row whose queries see nothing)."""
-    return (seq_k, max(1, (seq_k * 5) // 7 | 1), 0)[:batch]
-
-
 def check_decode(case: Case, calls: list[tuple[int, int]]) -> None:
     calls.clear()
     check_forward("cuda", "cuda", case)
@@ -83,20 +69,10 @@ def test_cache_lengths(dtype, seq_k, group, lengths, decode_calls) -> None:
 @pytest.mark.parametrize("group", [1, 4, 8])
 @pytest.mark.parametrize("causal", ["bottom_right", "top_left", False])
 def test_query_rows_and_alignments(dtype, seq_q, group, causal, decode_calls) -> None:
-    """Packs of 2 to 128 rows (chunked past 8), every alignment; top-left leaves most splits empty."""
+    """Packs of 2 to 128 rows (chunked past 8 in float32, past 16 on tensor cores), every alignment;
+    top-left leaves most splits empty."""
     case = decode_case(dtype=dtype, seq_q=seq_q, seq_k=777, group=group, causal=causal, key_lengths=ragged(777))
     check_decode(case, decode_calls)
-
-
-FEATURES: dict[str, dict[str, Any]] = {
-    "window": {"window": (100, 0)},
-    "window-both-sides": {"causal": False, "window": (40, 3), "seq_q": 4},
-    "bool-mask": {"mask_kind": "bool", "mask_shape": (3, 8, 1, 500)},
-    "float-mask-broadcast": {"mask_kind": "float", "mask_shape": (1, 500)},
-    "softcap": {"softcap": 5.0, "scale": 1.3},
-    "bshd": {"layout": "bshd", "seq_q": 3},
-    "mqa": {"heads_kv": 1, "group": 16, "seq_q": 2},
-}
 
 
 @pytest.mark.parametrize("feature", list(FEATURES))

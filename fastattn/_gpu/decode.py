@@ -1,9 +1,11 @@
-"""Launcher of the split-KV decode kernel and its combine kernel (``kernels/flash_decode.cu``).
+"""Launcher of the split-KV decode kernels and their combine kernel (``kernels/flash_decode.cu``).
 
 The cuda backend sends a forward here when :func:`declines` has no reason (``Sq <= 16``, the
 KV-cache step, no dropout; ``fastattn/_gpu/ops.py``).  One block handles (key split, kv head, chunk
-of packed GQA rows, batch row); with more than one split the partial results (float32, normalised,
-plus a partial lse each) are merged by ``decode_combine``.
+of packed GQA rows, batch row): float16 and bfloat16 run ``flash_decode`` on tensor cores, 16 packed
+rows a block; float32 runs ``flash_decode_fp32`` in SIMT float32 math, 4 or 8 rows a block.  With
+more than one split the partial results (float32, normalised, plus a partial lse each) are merged
+by ``decode_combine``.
 
 Split count (:func:`plan`): enough blocks to fill the device, never splits so short that the
 per-block prologue (loading the packed queries, the first tile) outweighs the streaming::
@@ -30,6 +32,7 @@ SOURCE = "flash_decode.cu"
 HEAD_DIMS = (32, 64, 128, 256)
 MAX_QUERIES = 16
 THREADS = 128
+TENSOR_CORE_ROWS = 16
 BLOCKS_PER_SM = 4
 MIN_KEYS_PER_SPLIT = 256
 _ELEMENTS = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float"}
@@ -66,18 +69,24 @@ def instances(problem: AttentionProblem) -> tuple[str, ...]:
 
 def _instances(problem: AttentionProblem, splits: int) -> tuple[str, ...]:
     element = _ELEMENTS[problem.dtype]
-    decode = f"fastattn_gpu::flash_decode<{element}, {problem.head_dim}, {rows_per_block(problem)}>"
+    if problem.dtype == "float32":
+        decode = f"fastattn_gpu::flash_decode_fp32<{problem.head_dim}, {rows_per_block(problem)}>"
+    else:
+        softcap = "true" if problem.softcap is not None else "false"
+        decode = f"fastattn_gpu::flash_decode<{element}, {problem.head_dim}, {softcap}>"
     return (decode,) if splits == 1 else (decode, f"fastattn_gpu::decode_combine<{element}>")
 
 
 def all_instances() -> tuple[str, ...]:
     """Every instance :func:`instances` can name (CI's nvcc compiles each)."""
-    return tuple(
-        f"fastattn_gpu::flash_decode<{element}, {head_dim}, {rows}>"
-        for element in _ELEMENTS.values()
+    tensor_cores = tuple(
+        f"fastattn_gpu::flash_decode<{_ELEMENTS[dtype]}, {head_dim}, {softcap}>"
+        for dtype in ("float16", "bfloat16")
         for head_dim in HEAD_DIMS
-        for rows in (4, 8)
-    ) + tuple(f"fastattn_gpu::decode_combine<{element}>" for element in _ELEMENTS.values())
+        for softcap in ("false", "true")
+    )
+    simt = tuple(f"fastattn_gpu::flash_decode_fp32<{head_dim}, {rows}>" for head_dim in HEAD_DIMS for rows in (4, 8))
+    return tensor_cores + simt + tuple(f"fastattn_gpu::decode_combine<{element}>" for element in _ELEMENTS.values())
 
 
 def aligned(*arrays: Any) -> bool:
@@ -86,20 +95,29 @@ def aligned(*arrays: Any) -> bool:
 
 
 def rows_per_block(problem: AttentionProblem) -> int:
-    """Packed query rows per block: 4 when the group's rows fit, else 8 (bigger packs are chunked)."""
+    """Packed query rows per block (bigger packs are chunked): 16 on tensor cores (one m16 fragment);
+    float32: 4 when the group's rows fit, else 8."""
+    if problem.dtype != "float32":
+        return TENSOR_CORE_ROWS
     return 4 if problem.group_size * problem.seq_q <= 4 else 8
 
 
 def block_keys(dtype: str, head_dim: int) -> int:
-    """Keys per shared-memory tile: 64, or 32 when a K row is over 256 bytes (mirrors the kernel)."""
+    """Keys per shared-memory tile (mirrors the kernels): tensor cores 128 up to head_dim 64, else 64
+    (32 or 16 keys a warp); float32 64, or 32 when a K row is over 256 bytes."""
+    if dtype != "float32":
+        return 128 if head_dim <= 64 else 64
     return 64 if head_dim * _ITEMSIZE[dtype] <= 256 else 32
 
 
 def shared_bytes(dtype: str, head_dim: int, rows: int) -> int:
-    """Dynamic shared memory: queries, scores, row statistics, then K/V stages or the final reduction."""
+    """Dynamic shared memory: tensor cores, the queries then the K/V stages (the merge reuses them);
+    float32, queries, scores, row statistics, then the K/V stages or the final reduction."""
     itemsize, keys = _ITEMSIZE[dtype], block_keys(dtype, head_dim)
     vector = 16 // itemsize
     tiles = 4 * keys * (head_dim + vector) * itemsize
+    if dtype != "float32":
+        return rows * (head_dim + vector) * itemsize + tiles
     reduction = THREADS * rows * vector * 4  # key groups x rows x head_dim floats
     return 4 * (rows * head_dim + rows * keys + 3 * rows) + max(tiles, reduction)
 

@@ -7,8 +7,8 @@ kernel change, from the repository root:
 
 Each bug is a text replacement in one kernel source (or a header every source includes), applied
 to the text the emulator compiles (``_launch.source_text``): the files are never modified.  A bug
-counts as caught when at least one case of ``test_kernels.py`` or ``test_dropout.py`` fails on it (a wrong result or an
-emulator error) while all pass without it.
+counts as caught when at least one case of ``test_kernels.py``, ``test_dropout.py`` or ``test_decode.py`` fails on
+it (a wrong result or an emulator error) while all pass without it.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 from fastattn._gpu import _launch, emulator
 
-from . import test_dropout, test_kernels
+from . import test_decode, test_dropout, test_kernels
 
 
 class Bug(NamedTuple):
@@ -69,6 +69,24 @@ BUGS = [
         "for (int s = 0; s < splits - 1; ++s) total += flush_tiny(expf(p.partial_lse[s * rows + row] - top));",
     ),
     Bug(
+        "tensor-core decode: the warps' outputs merged without the correction to the block's row max",
+        "flash_decode.cu",
+        "weight[w * kRows + row] = total > 0.f ? fast_exp2(warp_max[w * kRows + row] - shift) / total : 0.f;",
+        "weight[w * kRows + row] = total > 0.f ? 1.f / total : 0.f;",
+    ),
+    Bug(
+        "tensor-core decode: every warp's scores read the first warp's keys of the tile",
+        "flash_decode.cu",
+        "warp_product_nt<Elem, HEAD_DIM, kKeyBlocks>(s, q_tile, stream.k_tile(stage) + warp * kWarpKeys * kRow, kRow,",
+        "warp_product_nt<Elem, HEAD_DIM, kKeyBlocks>(s, q_tile, stream.k_tile(stage), kRow,",
+    ),
+    Bug(
+        "tensor-core decode: a lane's second row (m16 row + 8) takes the first row's head and position",
+        "flash_decode.cu",
+        "const int packed = row0 + group_id + 8 * r;\n        const bool real = group_id + 8 * r < packed_rows;",
+        "const int packed = row0 + group_id;\n        const bool real = group_id < packed_rows;",
+    ),
+    Bug(
         "tensor-core backward: dS^T read before every warp has written it (no __syncthreads)",
         "flash_backward.cu",
         "Pack<Elem>::two(dp[nb][2 * r], dp[nb][2 * r + 1]);\n            }\n        }\n        __syncthreads();\n",
@@ -114,7 +132,7 @@ BUGS = [
 
 
 def _cases() -> list[Callable[[], None]]:
-    """Every case of test_kernels.py and test_dropout.py, as a call."""
+    """Every case of test_kernels.py, test_dropout.py and test_decode.py, as a call."""
     calls: list[Callable[[], None]] = []
     for dtype, sizes, options in test_kernels.FORWARDS:
         calls.append(lambda c=(dtype, sizes, options): test_kernels.test_forward_kernels_match_the_reference(*c))
@@ -128,6 +146,8 @@ def _cases() -> list[Callable[[], None]]:
     for dtype, deterministic, options in test_dropout.BACKWARDS:
         arguments = (dtype, deterministic, options)
         calls.append(lambda c=arguments: test_dropout.test_backward_matches_the_reference_under_the_same_mask(*c))
+    for _, case, forced in test_decode.CASES:
+        calls.append(lambda c=(case, forced): test_decode.check_emulated_decode(*c))
     return calls
 
 

@@ -55,12 +55,16 @@ struct dim3 {
 struct uint3 {
     unsigned int x, y, z;
 };
+struct alignas(8) float2 {
+    float x, y;
+};
 struct alignas(16) float4 {
     float x, y, z, w;
 };
 struct alignas(16) uint4 {
     unsigned int x, y, z, w;
 };
+inline float2 make_float2(float x, float y) { return float2{x, y}; }
 inline float4 make_float4(float x, float y, float z, float w) { return float4{x, y, z, w}; }
 
 // ---------------------------------------------------------------------------------------------
