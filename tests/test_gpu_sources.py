@@ -111,10 +111,12 @@ def test_every_block_of_the_table_fits_sm80_shared_memory() -> None:
 def test_backward_kernel_names(head_dim: int) -> None:
     prepare, kv, convert = backward.kernel_names("bfloat16", head_dim, deterministic=False, dropout=False)
     assert prepare == f"fastattn_gpu::flash_backward_prepare<__nv_bfloat16, {head_dim}>"
-    assert kv.endswith(", true, false>") and convert == "fastattn_gpu::flash_backward_dq_convert<__nv_bfloat16>"
+    assert kv.endswith(", true, false, false>") and convert == "fastattn_gpu::flash_backward_dq_convert<__nv_bfloat16>"
     _, kv, dq = backward.kernel_names("float16", head_dim, deterministic=True, dropout=True)
-    assert kv.endswith(", false, true>") and dq.startswith("fastattn_gpu::flash_backward_dq<__half,")
-    assert dq.endswith(", true>")
+    assert kv.endswith(", false, false, true>") and dq.startswith("fastattn_gpu::flash_backward_dq<__half,")
+    assert dq.endswith(", false, true>")
+    _, kv, dq = backward.kernel_names("float16", head_dim, deterministic=True, dropout=False, softcap=True)
+    assert kv.endswith(", false, true, false>") and dq.endswith(", true, false>")
 
 
 def test_misaligned_kv_leave_the_decode_kernel_to_the_general_forward() -> None:

@@ -5,8 +5,8 @@ One call runs three kernels on the caller's current stream (CuPy's, or torch's f
 cleared), ``flash_backward_kv`` (dK, dV per block of keys over the GQA group, and dQ through float32
 atomics), then ``flash_backward_dq_convert`` (dQ into the input dtype).  With ``deterministic=True``
 the kv kernel skips the atomics and ``flash_backward_dq`` computes dQ in a pass over query blocks,
-so every gradient is summed in a fixed order.  Each (dtype, head_dim, deterministic, dropout)
-configuration is compiled once per process, like the forward's.  Every launch passes the call's one
+so every gradient is summed in a fixed order.  Each (dtype, head_dim, deterministic, softcap,
+dropout) configuration is compiled once per process, like the forward's.  Every launch passes the call's one
 ``Params`` record (``params.py``).
 """
 
@@ -50,12 +50,13 @@ def block_keys(head_dim: int) -> int:
 
 
 def dq_block_keys(head_dim: int) -> int:
-    """Keys per tile of the deterministic ``flash_backward_dq``: 64, or 16 for head_dim 256.
+    """Keys per tile of the deterministic ``flash_backward_dq``: 64, 32 for head_dim 96, 16 for 256.
 
     Each thread holds 16 rows x head_dim / 32 float32 of dQ; at head_dim 256 that is 128 registers,
-    and 32-key tiles spilled on sm_90.
+    and 32-key tiles spilled on sm_90; at head_dim 96 (whose tile loads do not unroll) 64-key tiles
+    spilled with softcap and dropout.
     """
-    return 16 if head_dim > 128 else 64
+    return 16 if head_dim > 128 else 32 if head_dim == 96 else 64
 
 
 def kv_shared_bytes(head_dim: int) -> int:
@@ -82,37 +83,43 @@ def problem_shared_bytes(problem: AttentionProblem) -> int:
     return shared_bytes(problem.head_dim, problem.deterministic)
 
 
-def kernel_names(dtype: str, head_dim: int, deterministic: bool, dropout: bool) -> tuple[str, str, str]:
-    """Template instances of one configuration: prepare, kv, and the dQ kernel (pass or convert)."""
+def kernel_names(
+    dtype: str, head_dim: int, deterministic: bool, dropout: bool, softcap: bool = False
+) -> tuple[str, str, str]:
+    """Template instances of one configuration: prepare, kv, and the dQ kernel (pass or convert);
+    softcap and dropout are compile-time options, as in the forward."""
     element = ELEMENTS[dtype]
     block_m, key_warps = backward_tiles(head_dim)
     atomic = "false" if deterministic else "true"
-    flag = "true" if dropout else "false"
+    flags = ", ".join("true" if flag else "false" for flag in (softcap, dropout))
     last = (
-        f"fastattn_gpu::flash_backward_dq<{element}, {head_dim}, {dq_block_keys(head_dim)}, {flag}>"
+        f"fastattn_gpu::flash_backward_dq<{element}, {head_dim}, {dq_block_keys(head_dim)}, {flags}>"
         if deterministic
         else f"fastattn_gpu::flash_backward_dq_convert<{element}>"
     )
     return (
         f"fastattn_gpu::flash_backward_prepare<{element}, {head_dim}>",
-        f"fastattn_gpu::flash_backward_kv<{element}, {head_dim}, {block_m}, {key_warps}, {atomic}, {flag}>",
+        f"fastattn_gpu::flash_backward_kv<{element}, {head_dim}, {block_m}, {key_warps}, {atomic}, {flags}>",
         last,
     )
 
 
 def instances(problem: AttentionProblem) -> tuple[str, ...]:
     """The kernel instances that run ``problem``'s backward, in launch order."""
-    return kernel_names(problem.dtype, problem.head_dim, problem.deterministic, problem.dropout_p > 0)
+    return kernel_names(
+        problem.dtype, problem.head_dim, problem.deterministic, problem.dropout_p > 0, problem.softcap is not None
+    )
 
 
 def all_instances() -> tuple[str, ...]:
     """Every instance :func:`instances` can name (CI's nvcc compiles each), without repeats."""
     names = (
-        kernel_names(dtype, head_dim, deterministic, dropout)
+        kernel_names(dtype, head_dim, deterministic, dropout, softcap)
         for dtype in forward.DTYPES
         for head_dim in HEAD_DIMS
         for deterministic in (False, True)
         for dropout in (False, True)
+        for softcap in (False, True)
     )
     return tuple(dict.fromkeys(name for triple in names for name in triple))
 

@@ -106,7 +106,7 @@ def block_keys(dtype: str, head_dim: int) -> int:
     """Keys per shared-memory tile (mirrors the kernels): tensor cores 128 up to head_dim 64, else 64
     (32 or 16 keys a warp); float32 64, or 32 when a K row is over 256 bytes."""
     if dtype != "float32":
-        return 128 if head_dim <= 64 else 64
+        return 256 if head_dim <= 32 else 128 if head_dim <= 64 else 64
     return 64 if head_dim * _ITEMSIZE[dtype] <= 256 else 32
 
 

@@ -111,6 +111,24 @@ BUGS = [
         "const int tile_lo = lo + max(common_lo - lo, 0) / BLOCK_N * BLOCK_N;",
     ),
     Bug(
+        "tensor-core backward dK/dV: a head's interior query tiles counted from the group's first head",
+        "flash_backward.cu",
+        "for (; item < first + interior_lo; ++item, stage ^= 1) step(Flag<true>{}, item, stage);",
+        "for (; item < interior_lo; ++item, stage ^= 1) step(Flag<true>{}, item, stage);",
+    ),
+    Bug(
+        "tensor-core backward dK/dV: the interior query tiles run one tile past the rows that see every key",
+        "flash_backward.cu",
+        "const int tile_hi = min(max(common_hi - m_lo, 0) / BLOCK_M, tiles);",
+        "const int tile_hi = min(max(common_hi - m_lo, 0) / BLOCK_M + 1, tiles);",
+    ),
+    Bug(
+        "tensor-core backward: an interior tile's dS without the softcap slope",
+        "flash_backward.cu",
+        "*prob = fast_exp2(rule.softcapped_log2_score(dot, &slope) - lse2);",
+        "*prob = fast_exp2(rule.softcapped_log2_score(dot) - lse2);",
+    ),
+    Bug(
         "dropout, tensor-core forward and dQ: the words of keys 0-1 of a Philox block used for keys 2-3",
         "flash_forward.cu",
         "const bool high = (j & 2) != 0;",

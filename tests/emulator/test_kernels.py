@@ -75,6 +75,14 @@ BACKWARDS = [
     ("float16", (1, 2, 1, 40, 50, 256), AttentionOptions(causal=True), False),
     ("bfloat16", (1, 1, 1, 30, 40, 256), AttentionOptions(), True),
     ("float32", (1, 1, 1, 20, 40, 256), AttentionOptions(causal=True), False),
+    # interior tiles of both backward kernels (no masking) between edge tiles, per head of a GQA
+    # group (dK/dV walk each head's query tiles), with and without softcap
+    ("float16", (1, 4, 2, 300, 300, 64), AttentionOptions(causal=True), False),
+    ("bfloat16", (1, 4, 2, 300, 300, 64), AttentionOptions(causal="bottom_right"), True),
+    ("bfloat16", (1, 2, 1, 200, 256, 128), AttentionOptions(window=(100, 20), softcap=3.0), True),
+    ("float16", (2, 4, 1, 130, 200, 32), AttentionOptions(), True),
+    ("float16", (1, 2, 1, 130, 100, 96), AttentionOptions(softcap=4.0), True),
+    ("bfloat16", (1, 2, 2, 100, 100, 256), AttentionOptions(causal="bottom_right"), False),
 ]
 
 

@@ -458,6 +458,14 @@ inline float ex2_approx_ftz(float x) {
     return std::fpclassify(y) == FP_SUBNORMAL ? 0.f : y;
 }
 
+// rcp.approx.ftz.f32: 1 / x with subnormal inputs and results flushed to zero (the device's is
+// within 1 ulp; this one is exact, which the kernels' tolerances cover).
+inline float rcp_approx_ftz(float x) {
+    if (std::fpclassify(x) == FP_SUBNORMAL) x = std::copysign(0.f, x);
+    const float y = 1.f / x;
+    return std::fpclassify(y) == FP_SUBNORMAL ? std::copysign(0.f, y) : y;
+}
+
 inline void mma_m16n8k16(float* c, const unsigned int* a, const unsigned int* b, Operand kind) {
     Thread& thread = this_thread();
     WarpSlots& slots = warp_slots();

@@ -91,6 +91,17 @@ struct Visibility {
         *hi = high;
     }
 
+    // Query rows [*lo, *hi) of [0, seq_q) that see every key of [first_key, last_key] by causal
+    // and window (key_lengths and masks are the caller's to check): the rows of a key block's
+    // interior query tiles (empty when lo >= hi).
+    __device__ __forceinline__ void common_query_range(int seq_q, int first_key, int last_key, int* lo, int* hi) const {
+        *lo = 0;
+        *hi = seq_q;
+        if (causal) *lo = max(*lo, last_key - offset);
+        if (window_right >= 0) *lo = max(*lo, last_key - window_right - offset);
+        if (window_left >= 0) *hi = min(*hi, first_key + window_left - offset + 1);
+    }
+
     // Query rows [*lo, *hi) of [0, seq_q) that may see some key of [first_key, last_key].
     __device__ __forceinline__ void query_range(int seq_q, int first_key, int last_key, int* lo, int* hi) const {
         *lo = 0;

@@ -42,7 +42,17 @@
 // K and V stay within the 163 KiB an sm_80 block may have.  Shared memory per block exceeds the
 // 99 KiB of sm_86/sm_89 for head_dim 64, 128 and 256: the cuda backend declines there, saying so.
 // flash_backward_dq: 64 rows (4 warps x 16) by 64 keys, 16 keys for head_dim 256 (its 16 x 256
-// float32 dQ accumulator takes 128 registers a thread; 32 keys spilled on sm_90).
+// float32 dQ accumulator takes 128 registers a thread; 32 keys spilled on sm_90), 32 for head_dim 96
+// (64 spilled with softcap and dropout).  flash_backward_kv is bounded to one block of 8 warps per
+// SM (__launch_bounds__(256, 1)): left to itself ptxas capped head_dim 96 and 256 at 128 registers
+// and spilled.
+//
+// Masking is specialised at compile time, as in the forward (issue #21): softcap is a template
+// option, and the tiles every row sees whole (flash_backward_dq: key tiles, as the forward's;
+// flash_backward_kv: each head's query tiles whose rows all see every key of the block) run
+// without the contract's per-score rule, the scale folded into the exponent's FFMA
+// (prob_and_grad).  The DROPOUT instances keep one masked loop: their Philox state leaves no
+// registers for a second loop body (it spilled).
 //
 // Dropout (the DROPOUT instances): Z = the forward's multipliers (0 or 1 / (1 - p), regenerated from
 // the same Philox counters); P^T Z goes into dV and dS = P (dP Z - delta) [softcap'] scale, with
@@ -62,6 +72,25 @@ constexpr int kBwdWarps = 8;       // flash_backward_kv
 constexpr int kDqWarps = 4;        // flash_backward_dq: 16 query rows each
 constexpr int kDqBlockM = 16 * kDqWarps;
 constexpr int kPrepareThreads = 256;
+
+// P and dS of one score of a backward tile, from its dot product q.k, dP = dO.v, the row's lse2 and
+// delta, and the dropout multiplier.  MASKED: the contract's exact rule (key `key` of row `row`,
+// head h); else the tile is interior (every row sees every key) and needs only the scale, folded
+// into the exponent's FFMA unless SOFTCAP.  Either way P is exactly 0 where hidden or underflowed,
+// and so is dS (score_grad), whatever dP holds.
+template <bool MASKED, bool SOFTCAP>
+__device__ __forceinline__ void prob_and_grad(const ScoreRule& rule, float dot, float dp, int b, int h, int row,
+                                              int key, int key_end, float lse2, float delta, float factor, float* prob,
+                                              float* grad) {
+    float slope = 1.f;
+    if constexpr (MASKED)
+        *prob = fast_exp2(rule.template log2_score<SOFTCAP>(dot, b, h, row, key, key_end, &slope) - lse2);
+    else if constexpr (SOFTCAP)
+        *prob = fast_exp2(rule.softcapped_log2_score(dot, &slope) - lse2);
+    else
+        *prob = fast_exp2(fmaf(dot, rule.scale_log2, -lse2));
+    *grad = score_grad(*prob, dp, delta, factor, slope, rule.p.scale);
+}
 
 // ---------------------------------------------------------------------------------------------
 // 1. delta = rowsum(dO * O), lse in log2 units, and the cleared dQ accumulator.
@@ -100,8 +129,8 @@ __global__ void __launch_bounds__(kPrepareThreads) flash_backward_prepare(const 
 
 // ---------------------------------------------------------------------------------------------
 // 2. dK, dV (and dQ through atomics) for one block of keys, over its kv head's GQA group.
-template <typename Elem, int HEAD_DIM, int BLOCK_M, int KEY_WARPS, bool ATOMIC_DQ, bool DROPOUT>
-__global__ void __launch_bounds__(kBwdWarps * 32) flash_backward_kv(const __grid_constant__ Params p) {
+template <typename Elem, int HEAD_DIM, int BLOCK_M, int KEY_WARPS, bool ATOMIC_DQ, bool SOFTCAP, bool DROPOUT>
+__global__ void __launch_bounds__(kBwdWarps * 32, 1) flash_backward_kv(const __grid_constant__ Params p) {
     constexpr int kThreads = kBwdWarps * 32;
     constexpr int kDimWarps = kBwdWarps / KEY_WARPS;
     constexpr int kBlockN = 16 * KEY_WARPS;
@@ -139,6 +168,9 @@ __global__ void __launch_bounds__(kBwdWarps * 32) flash_backward_kv(const __grid
     m_lo = max(m_lo, 0) / BLOCK_M * BLOCK_M;
     const int tiles = m_hi > m_lo ? (m_hi - m_lo + BLOCK_M - 1) / BLOCK_M : 0;
     const int items = tiles * group;
+    int interior_lo, interior_hi;  // each head's query tiles that see every key of the block whole
+    rule.template interior_query_tiles<BLOCK_M>(n0, n0 + kBlockN - 1, key_end, m_lo, tiles, &interior_lo,
+                                                &interior_hi);
 
     auto load_item = [&](int item, int stage) {
         const int h = kvh * group + item / tiles, m0 = m_lo + (item % tiles) * BLOCK_M;
@@ -170,8 +202,9 @@ __global__ void __launch_bounds__(kBwdWarps * 32) flash_backward_kv(const __grid
     zero(dk_acc);
     zero(dv_acc);
 
-    int stage = 0;
-    for (int item = 0; item < items; ++item, stage ^= 1) {
+    // One item (query tile of one head); MASKED as in prob_and_grad.
+    auto step = [&](auto masked, int item, int stage) {
+        constexpr bool MASKED = decltype(masked)::value;
         if (item + 1 < items) load_item(item + 1, stage ^ 1);  // prefetch into the other stage
         cp_async_commit();
         cp_async_wait<1>();
@@ -196,12 +229,11 @@ __global__ void __launch_bounds__(kBwdWarps * 32) flash_backward_kv(const __grid
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int column = q0 + nb * 8 + pair + (e % 2), key = n0 + key_row + group_id + (e / 2) * 8;
-                float slope;
-                const float score = rule.log2_score(s[nb][e], b, h, m0 + column, key, key_end, &slope);
-                const float prob = exp2f(score - lse_tile[column]);
                 const float factor = DROPOUT ? p.dropout.factor(b, p.heads_q, h, m0 + column, key) : 1.f;
+                float prob;
+                prob_and_grad<MASKED, SOFTCAP>(rule, s[nb][e], dp[nb][e], b, h, m0 + column, key, key_end,
+                                               lse_tile[column], delta_tile[column], factor, &prob, &dp[nb][e]);
                 s[nb][e] = prob * factor;
-                dp[nb][e] = score_grad(prob, dp[nb][e], delta_tile[column], factor, slope, p.scale);
             }
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
@@ -250,6 +282,19 @@ __global__ void __launch_bounds__(kBwdWarps * 32) flash_backward_kv(const __grid
             }
         }
         __syncthreads();  // P^T, dS^T and this stage are overwritten next
+    };
+
+    // Per head: edge tiles (window end), interior tiles, edge tiles (diagonal, sequence end).
+    int item = 0, stage = 0;
+    if constexpr (DROPOUT) {
+        for (; item < items; ++item, stage ^= 1) step(Flag<true>{}, item, stage);
+    } else {
+        for (int g = 0; g < group && items > 0; ++g) {
+            const int first = g * tiles;
+            for (; item < first + interior_lo; ++item, stage ^= 1) step(Flag<true>{}, item, stage);
+            for (; item < first + interior_hi; ++item, stage ^= 1) step(Flag<false>{}, item, stage);
+            for (; item < first + tiles; ++item, stage ^= 1) step(Flag<true>{}, item, stage);
+        }
     }
     cp_async_wait<0>();
 
@@ -282,7 +327,7 @@ template <typename Elem> __global__ void flash_backward_dq_convert(const __grid_
 
 // 3b. Deterministic dQ: one block per (64 query rows, query head, batch row), no atomics; the key
 // walk of the forward (KeyValueStream), S and dP recomputed, dQ += dS K in registers.
-template <typename Elem, int HEAD_DIM, int BLOCK_N, bool DROPOUT>
+template <typename Elem, int HEAD_DIM, int BLOCK_N, bool SOFTCAP, bool DROPOUT>
 __global__ void __launch_bounds__(kDqWarps * 32) flash_backward_dq(const __grid_constant__ Params p) {
     constexpr int kThreads = kDqWarps * 32;
     constexpr int kRow = HEAD_DIM + kPad;
@@ -294,12 +339,15 @@ __global__ void __launch_bounds__(kDqWarps * 32) flash_backward_dq(const __grid_
     Elem* do_tile = q_tile + kDqBlockM * kRow;             // [kDqBlockM][kRow], then the K/V stages
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int m0 = blockIdx.x * kDqBlockM, h = blockIdx.y, b = blockIdx.z, kvh = h / p.group;
+    const int m0 = (gridDim.x - 1 - blockIdx.x) * kDqBlockM, h = blockIdx.y, b = blockIdx.z, kvh = h / p.group;  // heavy first
     const ScoreRule rule{p};
     int lo;  // the keys any row of this block can see: [lo, hi)
     const auto stream = KeyValueStream<Elem, HEAD_DIM, BLOCK_N, kThreads>::template visible_to<kDqBlockM>(
         p, do_tile + kDqBlockM * kRow, b, kvh, m0, &lo);
     const int hi = stream.hi;
+    int interior_lo, interior_hi;  // tiles every row sees whole: no masking there
+    rule.template interior_tiles<BLOCK_N>(b, p.seq_k, m0, min(m0 + kDqBlockM, p.seq_q) - 1, lo, hi, &interior_lo,
+                                          &interior_hi);
 
     load_tile<Elem, HEAD_DIM, kDqBlockM, kThreads>(q_tile, p.q.row<const Elem>(b, h, 0), p.q.ss, m0, p.seq_q);
     load_tile<Elem, HEAD_DIM, kDqBlockM, kThreads>(do_tile, p.dout.row<const Elem>(b, h, 0), p.dout.ss, m0, p.seq_q);
@@ -318,7 +366,9 @@ __global__ void __launch_bounds__(kDqWarps * 32) flash_backward_dq(const __grid_
     float acc[kOutBlocks][4];
     zero(acc);
 
-    for (int kt = lo, stage = 0; kt < hi; kt += BLOCK_N, stage ^= 1) {
+    // One key tile; MASKED as in prob_and_grad.
+    auto tile = [&](auto masked, int kt, int stage) {
+        constexpr bool MASKED = decltype(masked)::value;
         stream.next(kt, stage);
         const Elem* k_tile = stream.k_tile(stage);
 
@@ -342,11 +392,10 @@ __global__ void __launch_bounds__(kDqWarps * 32) flash_backward_dq(const __grid_
             float grad[4];
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                float slope;
-                const float score = rule.log2_score(s[nb][e], b, h, rows[e / 2], kt + nb * 8 + pair + (e % 2), hi,
-                                                    &slope);
-                const float prob = exp2f(score - row_lse2[e / 2]);
-                grad[e] = score_grad(prob, dp[nb][e], row_delta[e / 2], factors[e / 2][e % 2], slope, p.scale);
+                float prob;
+                prob_and_grad<MASKED, SOFTCAP>(rule, s[nb][e], dp[nb][e], b, h, rows[e / 2], kt + nb * 8 + pair + (e % 2),
+                                               hi, row_lse2[e / 2], row_delta[e / 2], factors[e / 2][e % 2], &prob,
+                                               &grad[e]);
             }
             a_ds[nb / 2][(nb % 2) * 2 + 0] = Pack<Elem>::two(grad[0], grad[1]);
             a_ds[nb / 2][(nb % 2) * 2 + 1] = Pack<Elem>::two(grad[2], grad[3]);
@@ -355,7 +404,15 @@ __global__ void __launch_bounds__(kDqWarps * 32) flash_backward_dq(const __grid_
         // dQ += dS K: k = keys, n = head_dim.
         warp_product_registers<Elem, kKeyBlocks / 2, kOutBlocks>(acc, a_ds, k_tile, kRow, lane);
         __syncthreads();  // this stage is overwritten by the prefetch of the tile after next
+    };
+
+    // Edge tiles (window start), interior tiles, edge tiles (diagonal, key_lengths, sequence end).
+    int kt = lo, stage = 0;
+    if constexpr (!DROPOUT) {
+        for (; kt < interior_lo; kt += BLOCK_N, stage ^= 1) tile(Flag<true>{}, kt, stage);
+        for (; kt < interior_hi; kt += BLOCK_N, stage ^= 1) tile(Flag<false>{}, kt, stage);
     }
+    for (; kt < hi; kt += BLOCK_N, stage ^= 1) tile(Flag<true>{}, kt, stage);
     cp_async_wait<0>();
 
 #pragma unroll

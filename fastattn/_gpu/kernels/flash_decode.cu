@@ -47,21 +47,24 @@ constexpr int kDecodeWarps = kDecodeThreads / 32;
 //   O += P V_w    mma.sync, V_w by ldmatrix.trans
 // Tiles every packed row sees whole (no mask, causal/window/key_lengths clear of the tile) skip the
 // contract's per-score rule and fold the scale into the exponent's FFMA, as the forward's do.
-// Tile sizes: WARP_KEYS = 32 (BLOCK_N 128) for head_dim <= 64, else 16 (BLOCK_N 64): a stage of K
-// (or V) is then 10 KiB at head_dim 32, 17-34 KiB from 64 up, so a block has 20-67 KiB of K/V in
-// flight while it computes the other stage, more than the ~25 KiB an H100 SM needs in flight to
-// stream at its share of the bandwidth; the whole block is 44-140 KiB.  Four warps m16 rows each
+// Tile sizes: WARP_KEYS = 64 (BLOCK_N 256) at head_dim 32, 32 (BLOCK_N 128) at 64, else 16
+// (BLOCK_N 64): a stage of K (or V) is then 17-20 KiB up to head_dim 128 and 34 KiB at 256, so a
+// block has 35-67 KiB of K/V in flight while it computes the other stage, more than the ~25 KiB an
+// H100 SM needs in flight to stream at its share of the bandwidth; the whole block is 74-140 KiB.
+// The per-tile work that does not scale with head_dim (the softmax's per-score steps, softcap's
+// tanh) is what the wider tiles of the small head dims amortise.  __launch_bounds__(128, 1): left
+// to itself ptxas capped head_dim 32 at 128 registers and spilled.  Four warps m16 rows each
 // waste 12 of 16 rows on G7 (group 4, Sq 1): the tensor cores have ~50x the throughput decode needs,
 // and instructions per K/V byte, not FLOPs, bound it (gpu_static.py counts them per 16 bytes).
 template <int HEAD_DIM> struct MmaDecodeShape {
     static constexpr int kRows = 16;
-    static constexpr int kWarpKeys = HEAD_DIM <= 64 ? 32 : 16;
+    static constexpr int kWarpKeys = HEAD_DIM <= 32 ? 64 : HEAD_DIM <= 64 ? 32 : 16;
     static constexpr int kBlockN = kDecodeWarps * kWarpKeys;
     static constexpr int kRow = HEAD_DIM + kPad;
 };
 
 template <typename Elem, int HEAD_DIM, bool SOFTCAP>
-__global__ void __launch_bounds__(kDecodeThreads) flash_decode(const __grid_constant__ Params p) {
+__global__ void __launch_bounds__(kDecodeThreads, 1) flash_decode(const __grid_constant__ Params p) {
     using Shape = MmaDecodeShape<HEAD_DIM>;
     constexpr int kRows = Shape::kRows, kRow = Shape::kRow, kWarpKeys = Shape::kWarpKeys, kBlockN = Shape::kBlockN;
     constexpr int kKeyBlocks = kWarpKeys / 8, kOutBlocks = HEAD_DIM / 8;

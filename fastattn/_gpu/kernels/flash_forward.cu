@@ -5,7 +5,8 @@
 // mma_tiles.cuh) has run only in the SIMT emulator (fastattn/_gpu/emulator) and compiled with nvcc
 // for sm_80/sm_90; benchmarks/gpu_check.sh owes the device run.
 //
-// Algorithm (FlashAttention-2): one thread block per (64 query rows, query head, batch row);
+// Algorithm (FlashAttention-2): one thread block per (64 query rows, query head, batch row), the
+// query blocks of a head launched last-first (under causal masking the heaviest first);
 // 4 warps, each owning 16 query rows for the whole key loop, so the online softmax needs only
 // shuffles inside a quad of lanes.  Per key tile of BLOCK_N keys:
 //   S = Q K^T      mma.sync.m16n8k16 (A = Q rows via ldmatrix, B = K rows via ldmatrix)
@@ -40,7 +41,9 @@ __global__ void __launch_bounds__(kWarps * 32, 2) flash_forward(const __grid_con
     Elem* q_tile = reinterpret_cast<Elem*>(shared_bytes);  // [kBlockM][kRow], then the K/V stages
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int m0 = blockIdx.x * kBlockM, h = blockIdx.y, b = blockIdx.z, kvh = h / p.group;
+    // Query blocks in reverse: under causal masking the last see the most keys, and the blocks launched
+    // last (the tail of the grid) are then the lightest.
+    const int m0 = (gridDim.x - 1 - blockIdx.x) * kBlockM, h = blockIdx.y, b = blockIdx.z, kvh = h / p.group;
     const ScoreRule rule{p};
     int lo;  // the keys any row of this block can see: [lo, hi)
     const auto stream = KeyValueStream<Elem, HEAD_DIM, BLOCK_N, kWarps * 32>::template visible_to<kBlockM>(

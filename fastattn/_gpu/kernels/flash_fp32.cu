@@ -102,8 +102,12 @@ template <int DMAX> struct Fp32Shape {
     static constexpr int kQN = 32;                      // keys per backward_q step
 };
 
+// The DROPOUT instances of fp32_forward and fp32_backward_q are bounded to one block an SM: left to
+// itself ptxas capped them at 128 registers and spilled (head_dim 128 and 32); their Philox state
+// needs more.  The others keep ptxas's own choice (a minimum of 0 blocks is no bound; 2 made
+// fp32_forward<256> spill).
 template <int DMAX, bool DROPOUT>
-__global__ void __launch_bounds__(kFp32Threads) fp32_forward(const __grid_constant__ Params p) {
+__global__ void __launch_bounds__(kFp32Threads, DROPOUT ? 1 : 0) fp32_forward(const __grid_constant__ Params p) {
     using Shape = Fp32Shape<DMAX>;
     constexpr int BM = Shape::kForwardM, BN = Shape::kForwardN, S = Shape::kStride;
     constexpr int TM = BM / 16, TN = BN / 16, TD = DMAX / 16;
@@ -298,7 +302,7 @@ __global__ void __launch_bounds__(kFp32Threads) fp32_backward_kv(const __grid_co
 }
 
 template <int DMAX, bool DROPOUT>
-__global__ void __launch_bounds__(kFp32Threads) fp32_backward_q(const __grid_constant__ Params p) {
+__global__ void __launch_bounds__(kFp32Threads, DROPOUT ? 1 : 0) fp32_backward_q(const __grid_constant__ Params p) {
     using Shape = Fp32Shape<DMAX>;
     constexpr int BM = Shape::kQM, BN = Shape::kQN, S = Shape::kStride, SD = BN + 1;
     constexpr int TM = BM / 16, TN = BN / 16, TD = DMAX / 16;

@@ -202,13 +202,40 @@ struct ScoreRule {
     } p;
 
     float scale_log2;  // scale * log2(e)
+    float cap_log2;    // softcap * log2(e)
+    float tanh_log2;   // 2 log2(e) / softcap: a score -> the exponent of tanh's exp form
+    float dot_tanh_log2;  // scale * tanh_log2: a raw dot product -> the same
 
     __device__ __forceinline__ explicit ScoreRule(const Params& params)
-        : p{params.scale, params.softcap, params.seq_q, params.rules}, scale_log2(params.scale * kLog2e) {}
+        : p{params.scale, params.softcap, params.seq_q, params.rules},
+          scale_log2(params.scale * kLog2e),
+          cap_log2(params.softcap * kLog2e),
+          tanh_log2(2.f * kLog2e / params.softcap),
+          dot_tanh_log2(params.scale * (2.f * kLog2e / params.softcap)) {}
+
+    // softcap * tanh(x) * log2(e) from exponent = 2 x log2(e), on the SFU: tanh(x) = 1 - 2 / (1 + E)
+    // with E = 2^exponent (ex2.approx) and 1 / (1 + E) by rcp.approx: ~5 instructions instead of
+    // tanhf's ~20, with an absolute error of a few 1e-7 softcap in the score (what the softmax
+    // weights feel; the float32 kernels keep tanhf).  E = +inf gives softcap exactly, a NaN stays
+    // NaN.  `slope` (when not null) gets d score / d (dot * scale) = sech^2(x) = 4 E / (1 + E)^2,
+    // which does not cancel as 1 - tanh^2 does; for it the exponent is clamped at 126 so that E
+    // stays finite (a NaN passes the clamp as NaN).
+    __device__ __forceinline__ float capped_log2(float exponent, float* slope) const {
+        if (slope) exponent = exponent > 126.f ? 126.f : exponent;
+        const float big = fast_exp2(exponent);
+        const float inverse = fast_reciprocal(1.f + big);
+        if (slope) *slope = 4.f * big * inverse * inverse;
+        return fmaf(-2.f * cap_log2, inverse, cap_log2);
+    }
 
     // The log2-unit score of a dot product in a softcapped tile every row sees whole (no rule).
     __device__ __forceinline__ float softcapped_log2_score(float dot) const {
-        return soft_cap(dot * p.scale, p.softcap) * kLog2e;
+        return capped_log2(dot * dot_tanh_log2, nullptr);
+    }
+
+    // The same, with `slope` = d score / d (dot * scale) (the backward's sech^2).
+    __device__ __forceinline__ float softcapped_log2_score(float dot, float* slope) const {
+        return capped_log2(dot * dot_tanh_log2, slope);
     }
 
     // Keys [*lo, *hi) in whole tiles of BLOCK_N from `lo` that rows [first, last] all see and that
@@ -227,17 +254,32 @@ struct ScoreRule {
         *end = none ? lo : tile_hi;
     }
 
+    // Tiles [*begin, *end) of the `tiles` query tiles of BLOCK_M rows from `m_lo` whose rows all see
+    // every key of [first_key, last_key] (a key block of the backward) and need no masking: none
+    // under a dense mask, for scale <= 0, or when the block reaches past key_end.
+    template <int BLOCK_M>
+    __device__ __forceinline__ void interior_query_tiles(int first_key, int last_key, int key_end, int m_lo, int tiles,
+                                                         int* begin, int* end) const {
+        int common_lo, common_hi;
+        p.rules.common_query_range(p.seq_q, first_key, last_key, &common_lo, &common_hi);
+        const int tile_lo = (max(common_lo - m_lo, 0) + BLOCK_M - 1) / BLOCK_M;
+        const int tile_hi = min(max(common_hi - m_lo, 0) / BLOCK_M, tiles);
+        const bool none = p.rules.mask_kind != MASK_NONE || p.scale <= 0.f || last_key >= key_end || tile_hi <= tile_lo;
+        *begin = none ? tiles : tile_lo;
+        *end = none ? tiles : tile_hi;
+    }
+
     // Finish the raw dot product of query `row` (head h, batch b) with key `key`: keys at or past
     // `key_end` are hidden.  Returns the score times log2(e), or -inf where the key is hidden.
-    // `slope` gets d score / d (dot * scale): soft_cap_slope's sech^2 under softcap, else 1.
-    // (The forward ignores it and the compiler drops it there.)
-    // SOFTCAP false: the kernel's compile-time promise that softcap is off (no softcap code at all).
-    template <bool SOFTCAP = true>
+    // `slope` gets d score / d (dot * scale): capped_log2's sech^2 under softcap, else 1.  (The
+    // forward ignores it and the compiler drops it there.)  SOFTCAP: the kernel's compile-time
+    // choice (softcap given, so > 0; or off, and no softcap code at all).
+    template <bool SOFTCAP>
     __device__ __forceinline__ float log2_score(float dot, int b, int h, int row, int key, int key_end,
                                                 float* slope) const {
         float score = dot * p.scale;
-        *slope = SOFTCAP ? soft_cap_slope(score, p.softcap) : 1.f;
-        if constexpr (SOFTCAP) score = soft_cap(score, p.softcap);
+        *slope = 1.f;
+        if constexpr (SOFTCAP) score = capped_log2(score * tanh_log2, slope) * kLn2;
         if (row >= p.seq_q || key >= key_end) return negative_infinity();
         return p.rules.apply(score, b, h, row, key) * kLog2e;
     }

@@ -1,7 +1,7 @@
 // Every inline-PTX helper of the kernels, in one place, with the form the SIMT emulator
 // (fastattn/_gpu/emulator/simt.h) runs in its place when FASTATTN_EMULATE is defined:
 //   mma.sync.m16n8k16 (f16 and bf16 inputs, f32 accumulators), ldmatrix.x4 (plain and .trans),
-//   cp.async (16 and 4 bytes, zero-fill) with commit_group / wait_group, ex2.approx.ftz.
+//   cp.async (16 and 4 bytes, zero-fill) with commit_group / wait_group, ex2.approx.ftz, rcp.approx.ftz.
 // The emulated forms follow the PTX ISA's fragment layouts lane by lane (tests/emulator checks
 // them against a numpy model of the documented layouts).  The CUDA headers come from here too: the
 // emulator brings its own half and bfloat16 types, so it needs no CUDA toolkit.
@@ -89,6 +89,17 @@ __device__ __forceinline__ float fast_exp2(float x) {
 #else
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+#endif
+}
+
+// 1 / x on the SFU: rcp.approx.ftz.f32, one MUFU.RCP (within 1 ulp; subnormals flush to 0).
+__device__ __forceinline__ float fast_reciprocal(float x) {
+#ifdef FASTATTN_EMULATE
+    return fastattn_emu::rcp_approx_ftz(x);
+#else
+    float y;
+    asm("rcp.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
     return y;
 #endif
 }
