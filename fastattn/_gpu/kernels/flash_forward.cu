@@ -147,21 +147,32 @@ __global__ void __launch_bounds__(kWarps * 32, 2) flash_forward(const __grid_con
     for (; kt < interior_hi; kt += BLOCK_N, stage ^= 1) tile(Flag<false>{}, kt, stage);
     for (; kt < hi; kt += BLOCK_N, stage ^= 1) tile(Flag<true>{}, kt, stage);
     cp_async_wait<0>();
+    __syncthreads();  // every thread's copies into the Q tile have landed (a block with no key tile)
 
-    // Normalise, write out and lse (natural log); rows that saw nothing get 0 and -inf.
+    // Normalise into this warp's own rows of the Q tile (no warp reads Q any more), then write out
+    // as whole rows, 16 bytes a lane and store (FlashAttention-2 stages O the same way), and lse in
+    // natural log; rows that saw nothing get 0 and -inf.
+    Elem* staged = q_tile + warp * 16 * kRow;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         float total = row_sum[r];
         total += __shfl_xor_sync(0xffffffff, total, 1);
         total += __shfl_xor_sync(0xffffffff, total, 2);
-        const int row = rows[r];
-        if (row >= p.seq_q) continue;
         // __fdividef: an approximate reciprocal (2 ulp, far below a 16-bit output's rounding) with no
         // IEEE slow-path call, whose calling convention made ptxas spill.
-        store_row_pairs<Elem, kOutBlocks>(p.out.row<Elem>(b, h, row), acc, r, total > 0.f ? __fdividef(1.f, total) : 0.f,
-                                          lane);
-        if ((lane % 4) == 0)
-            *p.lse.row<float>(b, h, row) = total > 0.f ? (row_max[r] + log2f(total)) * kLn2 : negative_infinity();
+        store_row_pairs<Elem, kOutBlocks>(staged + (group_id + 8 * r) * kRow, acc, r,
+                                          total > 0.f ? __fdividef(1.f, total) : 0.f, lane);
+        if (rows[r] < p.seq_q && (lane % 4) == 0)
+            *p.lse.row<float>(b, h, rows[r]) = total > 0.f ? (row_max[r] + log2f(total)) * kLn2 : negative_infinity();
+    }
+    __syncthreads();  // each warp reads back rows its other lanes wrote
+    constexpr int kChunks = HEAD_DIM / 8;  // 16-byte chunks of a row
+#pragma unroll
+    for (int index = lane; index < 16 * kChunks; index += 32) {
+        const int r = index / kChunks, chunk = index % kChunks, row = m0 + warp * 16 + r;
+        if (row < p.seq_q)
+            *reinterpret_cast<uint4*>(p.out.row<Elem>(b, h, row) + chunk * 8) =
+                *reinterpret_cast<const uint4*>(staged + r * kRow + chunk * 8);
     }
 }
 
