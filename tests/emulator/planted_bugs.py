@@ -33,7 +33,7 @@ class Bug(NamedTuple):
 
 BUGS = [
     Bug(
-        "tensor-core forward: P's A fragment with its two elements swapped (a wrong lane mapping)",
+        "tensor-core forward and decode: P's A fragment with its two elements swapped (a wrong lane mapping)",
         "flash_forward.cu",
         "probs[nb / 2][(nb % 2) * 2 + 0] = Pack<Elem>::two(prob[0], prob[1]);",
         "probs[nb / 2][(nb % 2) * 2 + 0] = Pack<Elem>::two(prob[1], prob[0]);",

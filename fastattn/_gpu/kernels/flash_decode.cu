@@ -131,53 +131,9 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) flash_decode(const __grid_c
         zero(s);
         warp_product_nt<Elem, HEAD_DIM, kKeyBlocks>(s, q_tile, stream.k_tile(stage) + warp * kWarpKeys * kRow, kRow,
                                                     lane);
-        float tile_max[2] = {negative_infinity(), negative_infinity()};
-#pragma unroll
-        for (int nb = 0; nb < kKeyBlocks; ++nb) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                if constexpr (MASKED) {
-                    float slope;
-                    s[nb][e] = rule.template log2_score<SOFTCAP>(s[nb][e], b, heads[e / 2], positions[e / 2],
-                                                                 key0 + nb * 8 + pair + (e % 2), hi, &slope);
-                } else if constexpr (SOFTCAP) {
-                    s[nb][e] = rule.softcapped_log2_score(s[nb][e]);
-                }
-                tile_max[e / 2] = fmaxf(tile_max[e / 2], s[nb][e]);
-            }
-        }
-        float alpha[2], shift[2];
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffff, tile_max[r], 1));
-            tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffff, tile_max[r], 2));
-            if constexpr (RAW) tile_max[r] *= rule.scale_log2;
-            const float new_max = fmaxf(row_max[r], tile_max[r]);
-            shift[r] = new_max == negative_infinity() ? 0.f : new_max;
-            alpha[r] = fast_exp2(row_max[r] - shift[r]);
-            row_max[r] = new_max;
-            row_sum[r] *= alpha[r];
-        }
-#pragma unroll
-        for (int nb = 0; nb < kOutBlocks; ++nb) {
-            acc[nb][0] *= alpha[0];
-            acc[nb][1] *= alpha[0];
-            acc[nb][2] *= alpha[1];
-            acc[nb][3] *= alpha[1];
-        }
+        rule.template tile_log2_scores<MASKED, SOFTCAP>(s, b, heads, positions, key0 + pair, hi);
         unsigned int probs[kKeyBlocks / 2][4];
-#pragma unroll
-        for (int nb = 0; nb < kKeyBlocks; ++nb) {
-            float prob[4];
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                prob[e] = RAW ? fast_exp2(fmaf(s[nb][e], rule.scale_log2, -shift[e / 2]))
-                              : fast_exp2(s[nb][e] - shift[e / 2]);
-                row_sum[e / 2] += prob[e];
-            }
-            probs[nb / 2][(nb % 2) * 2 + 0] = Pack<Elem>::two(prob[0], prob[1]);
-            probs[nb / 2][(nb % 2) * 2 + 1] = Pack<Elem>::two(prob[2], prob[3]);
-        }
+        online_softmax_tile<Elem, RAW>(s, rule.scale_log2, row_max, row_sum, acc, probs, [](int, float(&)[4]) {});
         warp_product_registers<Elem, kKeyBlocks / 2, kOutBlocks>(acc, probs, stream.v_tile(stage) + warp * kWarpKeys * kRow,
                                                                 kRow, lane);
         __syncthreads();  // this stage is overwritten by the prefetch of the tile after next

@@ -58,7 +58,7 @@ __global__ void __launch_bounds__(kWarps * 32, 2) flash_forward(const __grid_con
     cp_async_commit();
 
     const int group_id = lane / 4, pair = (lane % 4) * 2;
-    const int rows[2] = {m0 + warp * 16 + group_id, m0 + warp * 16 + group_id + 8};
+    const int rows[2] = {m0 + warp * 16 + group_id, m0 + warp * 16 + group_id + 8}, heads[2] = {h, h};
     float row_max[2] = {negative_infinity(), negative_infinity()}, row_sum[2] = {0.f, 0.f};
     float acc[kOutBlocks][4];
     zero(acc);
@@ -78,51 +78,10 @@ __global__ void __launch_bounds__(kWarps * 32, 2) flash_forward(const __grid_con
         warp_product_nt<Elem, HEAD_DIM, kKeyBlocks>(s, q_tile + warp * 16 * kRow, stream.k_tile(stage), kRow, lane);
 
         // Scores in log2 units, then the online softmax.
-        float tile_max[2] = {negative_infinity(), negative_infinity()};
-#pragma unroll
-        for (int nb = 0; nb < kKeyBlocks; ++nb) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                if constexpr (MASKED) {
-                    float slope;
-                    s[nb][e] = rule.template log2_score<SOFTCAP>(s[nb][e], b, h, rows[e / 2],
-                                                                 kt + nb * 8 + pair + (e % 2), hi, &slope);
-                } else if constexpr (SOFTCAP) {
-                    s[nb][e] = rule.softcapped_log2_score(s[nb][e]);
-                }
-                tile_max[e / 2] = fmaxf(tile_max[e / 2], s[nb][e]);
-            }
-        }
-        float alpha[2], shift[2];
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffff, tile_max[r], 1));
-            tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffff, tile_max[r], 2));
-            if constexpr (RAW) tile_max[r] *= rule.scale_log2;
-            const float new_max = fmaxf(row_max[r], tile_max[r]);
-            shift[r] = new_max == negative_infinity() ? 0.f : new_max;
-            alpha[r] = fast_exp2(row_max[r] - shift[r]);
-            row_max[r] = new_max;
-            row_sum[r] *= alpha[r];
-        }
-#pragma unroll
-        for (int nb = 0; nb < kOutBlocks; ++nb) {
-            acc[nb][0] *= alpha[0];
-            acc[nb][1] *= alpha[0];
-            acc[nb][2] *= alpha[1];
-            acc[nb][3] *= alpha[1];
-        }
+        rule.template tile_log2_scores<MASKED, SOFTCAP>(s, b, heads, rows, kt + pair, hi);
         unsigned int probs[kKeyBlocks / 2][4];
-#pragma unroll
-        for (int nb = 0; nb < kKeyBlocks; ++nb) {
-            float prob[4];
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                prob[e] = RAW ? fast_exp2(fmaf(s[nb][e], rule.scale_log2, -shift[e / 2]))
-                              : fast_exp2(s[nb][e] - shift[e / 2]);
-                row_sum[e / 2] += prob[e];
-            }
-            if constexpr (DROPOUT) {  // after the row sum: lse and the normaliser are undropped
+        online_softmax_tile<Elem, RAW>(s, rule.scale_log2, row_max, row_sum, acc, probs, [&](int nb, float (&prob)[4]) {
+            if constexpr (DROPOUT) {
 #pragma unroll
                 for (int r = 0; r < 2; ++r) {
                     float factors[2];
@@ -131,10 +90,7 @@ __global__ void __launch_bounds__(kWarps * 32, 2) flash_forward(const __grid_con
                     prob[2 * r + 1] *= factors[1];
                 }
             }
-            // S accumulators (m16n8) -> A fragment (m16k16) of P: block 2t fills a0/a1, 2t+1 a2/a3.
-            probs[nb / 2][(nb % 2) * 2 + 0] = Pack<Elem>::two(prob[0], prob[1]);
-            probs[nb / 2][(nb % 2) * 2 + 1] = Pack<Elem>::two(prob[2], prob[3]);
-        }
+        });
 
         // O += P V: k = keys (16 per step), n = head_dim.
         warp_product_registers<Elem, kKeyBlocks / 2, kOutBlocks>(acc, probs, stream.v_tile(stage), kRow, lane);

@@ -189,6 +189,57 @@ template <int N_BLOCKS> __device__ __forceinline__ void zero(float (&c)[N_BLOCKS
     for (int nb = 0; nb < N_BLOCKS; ++nb) c[nb][0] = c[nb][1] = c[nb][2] = c[nb][3] = 0.f;
 }
 
+// One key tile of the online softmax (FlashAttention-2) of a warp's 16 rows, in registers: from the
+// tile's scores s (log2 units; RAW: raw dot products, whose scale enters the exponent's FFMA, and
+// then the maximum is taken of raw dots, which needs scale > 0), update the running max and sum of
+// the lane's two rows (lane / 4 and lane / 4 + 8; the quad's shuffles make them the whole row's),
+// rescale the output accumulator, and pack P = exp2(score - max) as the A fragments of P V.
+// `weigh(nb, prob)` may change key block nb's four probabilities after they entered the row sum
+// (dropout: lse and the normaliser stay undropped).
+template <typename Elem, bool RAW, int KEY_BLOCKS, int OUT_BLOCKS, typename Weigh>
+__device__ __forceinline__ void online_softmax_tile(const float (&s)[KEY_BLOCKS][4], float scale_log2,
+                                                    float (&row_max)[2], float (&row_sum)[2],
+                                                    float (&acc)[OUT_BLOCKS][4],
+                                                    unsigned int (&probs)[KEY_BLOCKS / 2][4], Weigh weigh) {
+    float tile_max[2] = {negative_infinity(), negative_infinity()};
+#pragma unroll
+    for (int nb = 0; nb < KEY_BLOCKS; ++nb)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) tile_max[e / 2] = fmaxf(tile_max[e / 2], s[nb][e]);
+    float alpha[2], shift[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffff, tile_max[r], 1));
+        tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffff, tile_max[r], 2));
+        if constexpr (RAW) tile_max[r] *= scale_log2;
+        const float new_max = fmaxf(row_max[r], tile_max[r]);
+        shift[r] = new_max == negative_infinity() ? 0.f : new_max;
+        alpha[r] = fast_exp2(row_max[r] - shift[r]);
+        row_max[r] = new_max;
+        row_sum[r] *= alpha[r];
+    }
+#pragma unroll
+    for (int nb = 0; nb < OUT_BLOCKS; ++nb) {
+        acc[nb][0] *= alpha[0];
+        acc[nb][1] *= alpha[0];
+        acc[nb][2] *= alpha[1];
+        acc[nb][3] *= alpha[1];
+    }
+#pragma unroll
+    for (int nb = 0; nb < KEY_BLOCKS; ++nb) {
+        float prob[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            prob[e] = RAW ? fast_exp2(fmaf(s[nb][e], scale_log2, -shift[e / 2])) : fast_exp2(s[nb][e] - shift[e / 2]);
+            row_sum[e / 2] += prob[e];
+        }
+        weigh(nb, prob);
+        // S accumulators (m16n8) -> A fragment (m16k16) of P: block 2t fills a0/a1, 2t+1 a2/a3.
+        probs[nb / 2][(nb % 2) * 2 + 0] = Pack<Elem>::two(prob[0], prob[1]);
+        probs[nb / 2][(nb % 2) * 2 + 1] = Pack<Elem>::two(prob[2], prob[3]);
+    }
+}
+
 // The contract's scores for one call: scale and softcap, then Visibility's causal/window/
 // key_lengths/mask rule; rows at or past seq_q are hidden too (tiles overhang the sequence).
 struct ScoreRule {
@@ -236,6 +287,29 @@ struct ScoreRule {
     // The same, with `slope` = d score / d (dot * scale) (the backward's sech^2).
     __device__ __forceinline__ float softcapped_log2_score(float dot, float* slope) const {
         return capped_log2(dot * dot_tanh_log2, slope);
+    }
+
+    // A warp's tile of S accumulators (m16n8 blocks) made scores in log2 units, in place: MASKED, the
+    // contract's rule for the lane's rows, query positions rows[0] and rows[1] of heads heads[0]
+    // and heads[1], and keys key0 + 8 nb + {0, 1} (key0 holds the lane's column pair); else an
+    // interior tile, softcapped under SOFTCAP (neither: the raw dot products stay, online_softmax_tile
+    // scales them).
+    template <bool MASKED, bool SOFTCAP, int KEY_BLOCKS>
+    __device__ __forceinline__ void tile_log2_scores(float (&s)[KEY_BLOCKS][4], int b, const int (&heads)[2],
+                                                     const int (&rows)[2], int key0, int key_end) const {
+#pragma unroll
+        for (int nb = 0; nb < KEY_BLOCKS; ++nb) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                if constexpr (MASKED) {
+                    float slope;
+                    s[nb][e] = log2_score<SOFTCAP>(s[nb][e], b, heads[e / 2], rows[e / 2], key0 + nb * 8 + (e % 2),
+                                                   key_end, &slope);
+                } else if constexpr (SOFTCAP) {
+                    s[nb][e] = softcapped_log2_score(s[nb][e]);
+                }
+            }
+        }
     }
 
     // Keys [*lo, *hi) in whole tiles of BLOCK_N from `lo` that rows [first, last] all see and that
