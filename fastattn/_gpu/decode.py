@@ -103,8 +103,8 @@ def rows_per_block(problem: AttentionProblem) -> int:
 
 
 def block_keys(dtype: str, head_dim: int) -> int:
-    """Keys per shared-memory tile (mirrors the kernels): tensor cores 128 up to head_dim 64, else 64
-    (32 or 16 keys a warp); float32 64, or 32 when a K row is over 256 bytes."""
+    """Keys per shared-memory tile (mirrors the kernels): tensor cores 256 at head_dim 32, 128 at 64,
+    else 64 (64, 32 or 16 keys a warp); float32 64, or 32 when a K row is over 256 bytes."""
     if dtype != "float32":
         return 256 if head_dim <= 32 else 128 if head_dim <= 64 else 64
     return 64 if head_dim * _ITEMSIZE[dtype] <= 256 else 32
