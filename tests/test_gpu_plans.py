@@ -68,7 +68,7 @@ def test_split_plan_covers_every_key_once(seq_k, batch, heads_kv, group, seq_q, 
         head_dim=head_dim, head_dim_v=head_dim,
     )  # fmt: skip
     splits, per_split = decode.plan(case, multiprocessors=132)
-    tile = decode.block_keys(dtype, head_dim)
+    tile = decode.block_keys(dtype, head_dim, decode.rows_per_block(case))
     assert per_split % tile == 0
     assert (splits - 1) * per_split < seq_k <= splits * per_split, "no empty trailing split, no key left out"
     assert splits <= max(1, math.ceil(seq_k / decode.MIN_KEYS_PER_SPLIT))

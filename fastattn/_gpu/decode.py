@@ -32,6 +32,7 @@ SOURCE = "flash_decode.cu"
 HEAD_DIMS = (32, 64, 128, 256)
 MAX_QUERIES = 16
 THREADS = 128
+WARPS = THREADS // 32
 TENSOR_CORE_ROWS = 16
 BLOCKS_PER_SM = 4
 MIN_KEYS_PER_SPLIT = 256
@@ -102,24 +103,25 @@ def rows_per_block(problem: AttentionProblem) -> int:
     return 4 if problem.group_size * problem.seq_q <= 4 else 8
 
 
-def block_keys(dtype: str, head_dim: int) -> int:
+def block_keys(dtype: str, head_dim: int, rows: int) -> int:
     """Keys per shared-memory tile (mirrors the kernels): tensor cores 256 at head_dim 32, 128 at 64,
-    else 64 (64, 32 or 16 keys a warp); float32 64, or 32 when a K row is over 256 bytes."""
+    else 64 (64, 32 or 16 keys a warp); float32 WARPS * 32 / lanes, with the lanes of a key splitting
+    head_dim 1 way (2 at 8 rows) at head_dim 32, 2 ways at 64, 4 ways above: 128 or 64, 64, 32."""
     if dtype != "float32":
         return 256 if head_dim <= 32 else 128 if head_dim <= 64 else 64
-    return 64 if head_dim * _ITEMSIZE[dtype] <= 256 else 32
+    lanes = rows // 4 if head_dim <= 32 else 2 if head_dim <= 64 else 4
+    return WARPS * 32 // lanes
 
 
 def shared_bytes(dtype: str, head_dim: int, rows: int) -> int:
-    """Dynamic shared memory: tensor cores, the queries then the K/V stages (the merge reuses them);
-    float32, queries, scores, row statistics, then the K/V stages or the final reduction."""
-    itemsize, keys = _ITEMSIZE[dtype], block_keys(dtype, head_dim)
+    """Dynamic shared memory: the queries, for float32 each warp's P and rescale factors of a tile,
+    then the K/V stages (the warps' merge reuses them)."""
+    itemsize, keys = _ITEMSIZE[dtype], block_keys(dtype, head_dim, rows)
     vector = 16 // itemsize
     tiles = 4 * keys * (head_dim + vector) * itemsize
     if dtype != "float32":
         return rows * (head_dim + vector) * itemsize + tiles
-    reduction = THREADS * rows * vector * 4  # key groups x rows x head_dim floats
-    return 4 * (rows * head_dim + rows * keys + 3 * rows) + max(tiles, reduction)
+    return 4 * (rows * head_dim + keys * rows + WARPS * rows) + tiles
 
 
 def problem_shared_bytes(problem: AttentionProblem) -> int:
@@ -132,7 +134,7 @@ def plan(problem: AttentionProblem, multiprocessors: int) -> tuple[int, int]:
     rows = rows_per_block(problem)
     items = problem.batch * problem.heads_kv * math.ceil(problem.group_size * problem.seq_q / rows)
     wanted = min(math.ceil(BLOCKS_PER_SM * multiprocessors / items), math.ceil(problem.seq_k / MIN_KEYS_PER_SPLIT))
-    tile = block_keys(problem.dtype, problem.head_dim)
+    tile = block_keys(problem.dtype, problem.head_dim, rows)
     per_split = math.ceil(math.ceil(problem.seq_k / max(1, wanted)) / tile) * tile
     return math.ceil(problem.seq_k / per_split), per_split
 

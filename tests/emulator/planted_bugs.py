@@ -69,10 +69,10 @@ BUGS = [
         "for (int s = 0; s < splits - 1; ++s) total += flush_tiny(expf(p.partial_lse[s * rows + row] - top));",
     ),
     Bug(
-        "tensor-core decode: the warps' outputs merged without the correction to the block's row max",
+        "decode: the warps' outputs merged without the correction to the block's row max",
         "flash_decode.cu",
-        "weight[w * kRows + row] = total > 0.f ? fast_exp2(warp_max[w * kRows + row] - shift) / total : 0.f;",
-        "weight[w * kRows + row] = total > 0.f ? 1.f / total : 0.f;",
+        "weight[w * ROWS + row] = total > 0.f ? fast_exp2(row_max[w * ROWS + row] - shift) / total : 0.f;",
+        "weight[w * ROWS + row] = total > 0.f ? 1.f / total : 0.f;",
     ),
     Bug(
         "tensor-core decode: every warp's scores read the first warp's keys of the tile",
@@ -85,6 +85,30 @@ BUGS = [
         "flash_decode.cu",
         "const int packed = row0 + group_id + 8 * r;\n        const bool real = group_id + 8 * r < packed_rows;",
         "const int packed = row0 + group_id;\n        const bool real = group_id < packed_rows;",
+    ),
+    Bug(
+        "float32 decode: the reduce-scatter of a key's partial dot products keeps the other half of the rows",
+        "flash_decode.cu",
+        "const bool upper = (part & step) != 0;",
+        "const bool upper = (part & step) == 0;",
+    ),
+    Bug(
+        "float32 decode: a rescaling tile moves the row maximum but not the shift of its probabilities",
+        "flash_decode.cu",
+        "shift[i] = none ? 0.f : new_max;",
+        "shift[i] = none ? 0.f : shift[i];",
+    ),
+    Bug(
+        "float32 decode: no exact redo of a tile whose plain FMAs made a NaN (0 x inf at a hidden key)",
+        "flash_decode.cu",
+        "if (__any_sync(0xffffffff, probe != probe)) return false;",
+        "if (__any_sync(0xffffffff, false)) return false;",
+    ),
+    Bug(
+        "float32 decode: the warp's P read before every lane wrote it (no __syncwarp)",
+        "flash_decode.cu",
+        "store_floats(warp_p + key * ROWS + part * kLaneRows, prob);\n        __syncwarp();\n        if (!update",
+        "store_floats(warp_p + key * ROWS + part * kLaneRows, prob);\n        if (!update",
     ),
     Bug(
         "tensor-core backward: dS^T read before every warp has written it (no __syncthreads)",
@@ -166,6 +190,10 @@ def _cases() -> list[Callable[[], None]]:
         calls.append(lambda c=arguments: test_dropout.test_backward_matches_the_reference_under_the_same_mask(*c))
     for _, case, forced in test_decode.CASES:
         calls.append(lambda c=(case, forced): test_decode.check_emulated_decode(*c))
+    for _, case in test_decode.NONFINITE_CASES:
+        calls.append(lambda c=case: test_decode.check_nonfinite_decode(c))
+    for _, case in test_decode.RISING_CASES:
+        calls.append(lambda c=case: test_decode.check_rising_maximum(c))
     return calls
 
 

@@ -7,8 +7,9 @@
 // that a missing __syncthreads leaves unordered with its write sees the wrong data (or the poison).
 //   - __syncthreads: a block barrier.  A barrier some threads never reach, or a thread that exits
 //     while others wait, is an error (never a hang).
-//   - Warp collectives (__shfl_xor_sync, mma.sync, ldmatrix): the 32 lanes meet at a warp barrier
-//     and exchange through per-warp slots.  A lane missing from a collective is an error.
+//   - Warp collectives (__shfl_xor_sync, __any_sync, __syncwarp, mma.sync, ldmatrix): the 32 lanes
+//     meet at a warp barrier and exchange through per-warp slots.  A lane missing from a collective
+//     is an error.
 //   - mma.sync.m16n8k16 and ldmatrix.x4 follow the PTX ISA's register-fragment layouts lane by lane
 //     ("Matrix Fragments for mma.m16n8k16 with floating point type"; "Warp-level matrix load
 //     instruction: ldmatrix"); products are exact in float and accumulate in float.
@@ -438,6 +439,25 @@ template <typename T> T shfl_xor(unsigned int mask, T value, int lane_mask, int 
     return result;
 }
 
+// __any_sync: whether any lane's predicate holds, given to every lane.
+inline bool vote_any(unsigned int mask, bool predicate) {
+    check_full_mask(mask, "__any_sync");
+    Thread& thread = this_thread();
+    WarpSlots& slots = warp_slots();
+    slots.words[thread.lane][0] = predicate ? 1u : 0u;
+    warp_barrier();
+    bool any = false;
+    for (int lane = 0; lane < kWarpSize; ++lane) any = any || slots.words[lane][0] != 0;
+    warp_barrier();  // every lane has read before the slots are written again
+    return any;
+}
+
+// __syncwarp: the lanes meet, so that shared-memory writes before it are seen by every lane after.
+inline void sync_warp(unsigned int mask) {
+    check_full_mask(mask, "__syncwarp");
+    warp_barrier();
+}
+
 enum class Operand { f16, bf16 };
 
 inline float operand_value(unsigned int word, int half, Operand kind) {
@@ -557,6 +577,9 @@ inline void __syncthreads() { fastattn_emu::block_barrier(); }
 template <typename T> inline T __shfl_xor_sync(unsigned int mask, T value, int lane_mask, int width = 32) {
     return fastattn_emu::shfl_xor(mask, value, lane_mask, width);
 }
+
+inline int __any_sync(unsigned int mask, int predicate) { return fastattn_emu::vote_any(mask, predicate != 0); }
+inline void __syncwarp(unsigned int mask = 0xffffffffu) { fastattn_emu::sync_warp(mask); }
 
 // One block runs at a time and its threads take turns only at barriers: a plain add is atomic.
 template <typename T> inline T atomicAdd(T* address, T value) {

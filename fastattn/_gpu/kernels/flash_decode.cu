@@ -34,6 +34,68 @@ namespace fastattn_gpu {
 constexpr int kDecodeThreads = 128;
 constexpr int kDecodeWarps = kDecodeThreads / 32;
 
+// The last step of both decode kernels.  Every warp keeps its own online softmax over its keys of
+// each tile; after the key loop the K/V stages hold, per warp w and packed row r, the warp's
+// unnormalised output O_w, row maximum m_w (log2 units) and row sum l_w.  The warps merge in a
+// fixed order (deterministic):
+//   out = sum_w 2^(m_w - M) O_w / L,   L = sum_w 2^(m_w - M) l_w,   M = max_w m_w,   lse = (M + log2 L) ln 2
+// written to out and lse (one split) or to the split's partial output and lse (a row that sees no
+// key of the split writes only lse = -inf there).
+template <int HEAD_DIM, int ROWS> struct DecodeMerge {
+    float* output;   // [warps][ROWS][HEAD_DIM]
+    float* row_max;  // [warps][ROWS]
+    float* row_sum;  // [warps][ROWS]
+    float* weight;   // [warps][ROWS]: 2^(m_w - M) / L
+    float* row_lse;  // [ROWS], natural log
+    static constexpr int kBytes = 4 * (kDecodeWarps * ROWS * (HEAD_DIM + 3) + ROWS);
+
+    __device__ __forceinline__ explicit DecodeMerge(void* base)
+        : output(static_cast<float*>(base)),
+          row_max(output + kDecodeWarps * ROWS * HEAD_DIM),
+          row_sum(row_max + kDecodeWarps * ROWS),
+          weight(row_sum + kDecodeWarps * ROWS),
+          row_lse(weight + kDecodeWarps * ROWS) {}
+
+    // After every warp has written its output, maxima and sums (this starts with the block barrier).
+    template <typename Elem>
+    __device__ __forceinline__ void finish(const Params& p, int b, int kvh, int row0, int packed_rows) const {
+        __syncthreads();
+        if (threadIdx.x < ROWS) {
+            const int row = threadIdx.x;
+            float top = negative_infinity();
+#pragma unroll
+            for (int w = 0; w < kDecodeWarps; ++w) top = fmaxf(top, row_max[w * ROWS + row]);
+            const float shift = top == negative_infinity() ? 0.f : top;
+            float total = 0.f;
+#pragma unroll
+            for (int w = 0; w < kDecodeWarps; ++w) total += row_sum[w * ROWS + row] * fast_exp2(row_max[w * ROWS + row] - shift);
+#pragma unroll
+            for (int w = 0; w < kDecodeWarps; ++w)
+                weight[w * ROWS + row] = total > 0.f ? fast_exp2(row_max[w * ROWS + row] - shift) / total : 0.f;
+            row_lse[row] = total > 0.f ? (top + log2f(total)) * kLn2 : negative_infinity();
+        }
+        __syncthreads();
+
+        const int splits = gridDim.x, split = blockIdx.x, group = p.group, seq_q = p.seq_q;
+        for (int index = threadIdx.x; index < packed_rows * HEAD_DIM; index += kDecodeThreads) {
+            const int r = index / HEAD_DIM, d = index % HEAD_DIM, packed = row0 + r;
+            const int h = kvh * group + packed / seq_q, i = packed % seq_q;
+            float value = 0.f;
+#pragma unroll
+            for (int w = 0; w < kDecodeWarps; ++w)
+                value = weighted_add(weight[w * ROWS + r], output[(w * ROWS + r) * HEAD_DIM + d], value);
+            if (splits == 1) {
+                p.out.row<Elem>(b, h, i)[d] = Convert<Elem>::from_float(value);
+                if (d == 0) *p.lse.row<float>(b, h, i) = row_lse[r];
+            } else {
+                const long long row = split * p.rows + (static_cast<long long>(b) * p.heads_q + h) * seq_q + i;
+                if (row_lse[r] != negative_infinity()) p.partial_out[row * HEAD_DIM + d] = value;
+                if (d == 0) p.partial_lse[row] = row_lse[r];
+            }
+        }
+    }
+};
+
 // ---- float16 / bfloat16: tensor cores -----------------------------------------------------------
 //
 // One block: the 16 packed rows (zero past the pack; their results are never written) against a
@@ -71,14 +133,8 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) flash_decode(const __grid_c
     extern __shared__ __align__(16) unsigned char shared_bytes[];
     Elem* q_tile = reinterpret_cast<Elem*>(shared_bytes);  // [kRows][kRow], then the K/V stages
     Elem* stages = q_tile + kRows * kRow;
-    // After the key loop the stages hold the merge: the warps' outputs and row statistics.
-    float* merged = reinterpret_cast<float*>(stages);                // [warps][kRows][HEAD_DIM]
-    float* warp_max = merged + kDecodeWarps * kRows * HEAD_DIM;      // [warps][kRows]
-    float* warp_sum = warp_max + kDecodeWarps * kRows;               // [warps][kRows]
-    float* weight = warp_sum + kDecodeWarps * kRows;                 // [warps][kRows]: exp2(m_w - M) / total
-    float* row_lse = weight + kDecodeWarps * kRows;                  // [kRows], natural log
-    static_assert((4 * kDecodeWarps * kRows * (HEAD_DIM + 4) + 4 * kRows) <= 4 * kBlockN * kRow * sizeof(Elem),
-                  "the merge fits in the K/V stages");
+    const DecodeMerge<HEAD_DIM, kRows> merge(stages);  // after the key loop
+    static_assert(DecodeMerge<HEAD_DIM, kRows>::kBytes <= 4 * kBlockN * kRow * sizeof(Elem), "the merge fits in the K/V stages");
 
     const int split = blockIdx.x, b = blockIdx.z, group = p.group, seq_q = p.seq_q;
     const int chunks = (group * seq_q + kRows - 1) / kRows;
@@ -155,282 +211,371 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) flash_decode(const __grid_c
         total += __shfl_xor_sync(0xffffffff, total, 2);
         const int row = group_id + 8 * r;
         if ((lane % 4) == 0) {
-            warp_max[warp * kRows + row] = row_max[r];
-            warp_sum[warp * kRows + row] = total;
+            merge.row_max[warp * kRows + row] = row_max[r];
+            merge.row_sum[warp * kRows + row] = total;
         }
 #pragma unroll
         for (int nb = 0; nb < kOutBlocks; ++nb)
-            *reinterpret_cast<float2*>(merged + (warp * kRows + row) * HEAD_DIM + nb * 8 + pair) =
+            *reinterpret_cast<float2*>(merge.output + (warp * kRows + row) * HEAD_DIM + nb * 8 + pair) =
                 make_float2(acc[nb][2 * r], acc[nb][2 * r + 1]);
     }
-    __syncthreads();
-    // out = sum_w exp2(m_w - M) O_w / sum_w exp2(m_w - M) l_w, M = max_w m_w: one thread a row.
-    if (threadIdx.x < kRows) {
-        const int row = threadIdx.x;
-        float top = negative_infinity();
-#pragma unroll
-        for (int w = 0; w < kDecodeWarps; ++w) top = fmaxf(top, warp_max[w * kRows + row]);
-        const float shift = top == negative_infinity() ? 0.f : top;
-        float total = 0.f;
-#pragma unroll
-        for (int w = 0; w < kDecodeWarps; ++w) total += warp_sum[w * kRows + row] * fast_exp2(warp_max[w * kRows + row] - shift);
-#pragma unroll
-        for (int w = 0; w < kDecodeWarps; ++w)
-            weight[w * kRows + row] = total > 0.f ? fast_exp2(warp_max[w * kRows + row] - shift) / total : 0.f;
-        row_lse[row] = total > 0.f ? (top + log2f(total)) * kLn2 : negative_infinity();
-    }
-    __syncthreads();
-
-    const int splits = gridDim.x;
-    for (int index = threadIdx.x; index < packed_rows * HEAD_DIM; index += kDecodeThreads) {
-        const int r = index / HEAD_DIM, d = index % HEAD_DIM, packed = row0 + r;
-        const int h = kvh * group + packed / seq_q, i = packed % seq_q;
-        float value = 0.f;
-#pragma unroll
-        for (int w = 0; w < kDecodeWarps; ++w)
-            value = weighted_add(weight[w * kRows + r], merged[(w * kRows + r) * HEAD_DIM + d], value);
-        if (splits == 1) {
-            p.out.row<Elem>(b, h, i)[d] = Convert<Elem>::from_float(value);
-            if (d == 0) *p.lse.row<float>(b, h, i) = row_lse[r];
-        } else {
-            const long long row = split * p.rows + (static_cast<long long>(b) * p.heads_q + h) * seq_q + i;
-            if (row_lse[r] != negative_infinity()) p.partial_out[row * HEAD_DIM + d] = value;
-            if (d == 0) p.partial_lse[row] = row_lse[r];
-        }
-    }
+    merge.template finish<Elem>(p, b, kvh, row0, packed_rows);
 }
 
-// ---- float32: SIMT ------------------------------------------------------------------------------
+// ---- float32: SIMT -------------------------------------------------------------------------------
 //
-// Exact float32 math (tensor cores would round to tf32).  BLOCK_N = 64 keys, or 32 when a row is
-// over 256 bytes (head_dim 128 and 256): the four stages (K, V x 2) stay <= 69 KiB (head_dim 256:
-// 133 KiB, one block an SM).  Scores: thread t takes key t % BLOCK_N and ROWS / (128 / BLOCK_N)
-// rows, 16-byte K reads, Q broadcast from shared memory.  Softmax: warp w owns rows w, w + 4
-// (running max and sum in registers, exp2 with scale * log2(e) folded in, rescale factors through
-// shared memory).  P V: thread t owns one 16-byte column group of V and every BLOCK_N / KG-th key
-// (KG = 128 / column groups), all ROWS rows in registers; the KG partial sums are added in a fixed
-// order at the end (deterministic).  Its floor is the FMAs themselves: 16 bytes of K (or of V) meet
-// ROWS rows x 4 floats, ROWS / 8 warp instructions; with one row per thread in the scores, each K
-// element is read from shared memory once per row set, which keeps it well above that (issue #21's
-// table: 1.57 per 16 bytes at head_dim 128, 4 rows).  Non-finite inputs follow the reference: a
-// probability of exactly 0 (hidden key, or exp below the smallest normal float) contributes 0 even
-// against an inf/NaN value.
-template <int HEAD_DIM> struct DecodeShape {
-    static constexpr int kVec = 4;                                        // floats per 16 bytes
-    static constexpr int kBlockN = HEAD_DIM * 4 <= 256 ? 64 : 32;
-    static constexpr int kRow = HEAD_DIM + kVec;                          // padded smem row (floats)
-    static constexpr int kColumnGroups = HEAD_DIM / kVec;                 // 16-byte groups per row
-    static constexpr int kKeyGroups = kDecodeThreads / kColumnGroups;     // P V: threads per column group
-    static constexpr int kRowSets = kDecodeThreads / kBlockN;             // scores: threads per key
+// Exact float32 math (tensor cores would round to tf32), in the tensor-core kernel's shape: each
+// key tile is cut among the 4 warps, WARP_KEYS keys each, and every warp keeps its own online
+// softmax over the keys it sees, for all ROWS packed rows at once, merged by DecodeMerge after the
+// loop.  The arithmetic floor is the FMAs: 16 bytes of K (or V) meet ROWS rows x 4 floats, ROWS / 8
+// warp instructions (0.5 per 16 bytes at 4 rows, 1.0 at 8), so every K and V element is read from
+// shared memory once per tile, for all rows, and little else runs per key:
+//  * S = Q K^T: lane (part, key) takes key `key` of the warp's WARP_KEYS and the part-th of
+//    KEY_LANES slices of head_dim (KEY_LANES = 1, 2, 4 at head_dim 32, 64, >= 128, and 2 at head_dim
+//    32 with 8 rows: WARP_KEYS = 32 / KEY_LANES), reads its slice of K as 16-byte chunks and
+//    multiplies each with every row's Q chunk (16-byte reads of the queries in shared memory,
+//    broadcast: the 8 lanes of a bank phase share a part).  A key's KEY_LANES partial dot products
+//    are joined by a reduce-scatter over shuffles, which leaves lane (part, key) with the scores of
+//    rows part * ROWS / KEY_LANES ... of its key, so the per-score steps run once per score.
+//  * Lazy softmax (FlashAttention-4's conditional rescaling): each row keeps a shift, its running
+//    maximum m.  A tile whose scores all stay below shift + kRescaleSlack (8 in log2 units, so P
+//    <= 256) keeps the shift: P = 2^(s - shift) on the SFU (ex2.approx.ftz; its flush to zero is the
+//    contract's tiny-probability rule), O += P V, no row maximum over the warp, no rescale of O.
+//    Otherwise (the first visible key, a score past the slack, a NaN below) the warp redoes the
+//    tile as a rescaling tile: the row maxima by shuffles, every row shifted to its new maximum, O
+//    and the sums rescaled by alpha = 2^(m_old - m_new).  The result does not depend on the shifts
+//    (they cancel in O / l); after the first tiles most rows' maxima stop rising past the slack.
+//    The sums are kept per lane and added up once after the loop; P (and alpha) go through a small
+//    per-warp buffer in shared memory ([WARP_KEYS][ROWS]: one 16-byte broadcast read, 4 rows' P).
+//  * O += P V: lane (value key, column chunk) owns one or two 16-byte column chunks of V
+//    (head_dim 32 and 64 put 4 and 2 keys side by side, added up after the loop) and all ROWS rows,
+//    in plain FMAs.  A weight of exactly 0 must contribute 0 even against an inf/NaN value (or
+//    output), which plain FMAs break only by making a NaN: when any lane's new O holds one, the
+//    warp redoes the tile as a rescaling tile and, if a NaN comes out again, with the exact rule
+//    (weighted_add).  An overflow of P would show the same way.  The lazy loop holds neither path:
+//    they run outside it, so that the loop that streams the cache is only the lazy tile.
+//  * Tiles every row sees whole (no mask, no softcap, causal/window/key_lengths clear) skip the
+//    contract's per-score rule and fold the scale into the exponent's FFMA; softcap keeps tanhf
+//    (exact float32) and the masked path.
+// Tiles: BLOCK_N = 4 WARP_KEYS = 128, 64, 32, 32 keys at head_dim 32, 64, 128, 256 (64 at 32 with
+// 8 rows): a stage of K and V is 33-37 KiB (66 KiB at 256), the block 70-77 KiB (142 KiB at 256),
+// so an SM holds 2-3 blocks (1 at 256) with ~70-100 KiB of K/V in flight, more than it needs to
+// stream at its share of the bandwidth.  K/V rows are padded by 16 bytes, so 8 consecutive keys'
+// chunks hit distinct banks.  Registers 106-184 (ptxas's own choice; head_dim 256 is allowed 255,
+// where it capped itself at 128 and spilled), no spills.
+constexpr float kRescaleSlack = 8.f;
+
+template <int HEAD_DIM, int ROWS> struct Fp32DecodeShape {
+    static constexpr int kVec = 4;                                   // floats per 16 bytes
+    static constexpr int kChunks = HEAD_DIM / kVec;                  // 16-byte chunks per K/V row
+    static constexpr int kKeyLanes = HEAD_DIM <= 32 ? ROWS / 4 : HEAD_DIM <= 64 ? 2 : 4;
+    static constexpr int kWarpKeys = 32 / kKeyLanes;
+    static constexpr int kBlockN = kDecodeWarps * kWarpKeys;
+    static constexpr int kLaneChunks = kChunks / kKeyLanes;          // K chunks a lane reads a tile
+    static constexpr int kLaneRows = ROWS / kKeyLanes;               // scores a lane holds
+    static constexpr int kValueLanes = kChunks < 32 ? kChunks : 32;  // lanes across a V row
+    static constexpr int kValueKeys = 32 / kValueLanes;              // V rows side by side
+    static constexpr int kValueChunks = kChunks / kValueLanes;       // V chunks a lane owns
+    static constexpr int kOut = kValueChunks * kVec;                 // output columns a lane owns
+    static constexpr int kRow = HEAD_DIM + kVec;                     // padded K/V row (floats)
 };
 
-// Rows [first, first + BLOCK_N) of K or V (rows >= limit zero-filled) into a padded tile.
-template <int HEAD_DIM>
-__device__ __forceinline__ void decode_load_tile(float* tile, const float* base, long long row_stride, int first,
-                                                 int limit) {
-    using Shape = DecodeShape<HEAD_DIM>;
-    for (int chunk = threadIdx.x; chunk < Shape::kBlockN * Shape::kColumnGroups; chunk += kDecodeThreads) {
-        const int row = chunk / Shape::kColumnGroups, col = (chunk % Shape::kColumnGroups) * Shape::kVec;
-        const bool valid = first + row < limit;
-        const float* src = base + (valid ? static_cast<long long>(first + row) * row_stride : 0) + col;
-        cp_async_16(tile + row * Shape::kRow + col, src, valid);
-    }
-}
+// N floats by value (what a lambda returns: nvcc 13's front end crashes on a generic lambda that
+// takes an array by reference).
+template <int N> struct Floats {
+    float values[N];
+    __device__ __forceinline__ float& operator[](int i) { return values[i]; }
+    __device__ __forceinline__ float operator[](int i) const { return values[i]; }
+};
 
-// The four floats of a 16-byte group in shared memory.
-__device__ __forceinline__ void unpack16(const float* source, float* values) {
+// Four floats of `values` from `at` to or from 16-byte aligned shared memory, in one access.
+template <int N> __device__ __forceinline__ void load4(float (&values)[N], int at, const float* source) {
     const float4 raw = *reinterpret_cast<const float4*>(source);
-    values[0] = raw.x;
-    values[1] = raw.y;
-    values[2] = raw.z;
-    values[3] = raw.w;
+    values[at] = raw.x, values[at + 1] = raw.y, values[at + 2] = raw.z, values[at + 3] = raw.w;
+}
+template <int N> __device__ __forceinline__ void store4(float* dst, const float (&values)[N], int at) {
+    *reinterpret_cast<float4*>(dst) = make_float4(values[at], values[at + 1], values[at + 2], values[at + 3]);
+}
+// N floats (1, 2 or a multiple of 4) to shared memory aligned to their size, in 4-, 8- or 16-byte stores.
+template <int N> __device__ __forceinline__ void store_floats(float* dst, const float (&values)[N]) {
+    if constexpr (N % 4 == 0) {
+#pragma unroll
+        for (int i = 0; i < N; i += 4) store4(dst + i, values, i);
+    } else if constexpr (N == 2) {
+        *reinterpret_cast<float2*>(dst) = make_float2(values[0], values[1]);
+    } else {
+        static_assert(N == 1, "1, 2 or a multiple of 4 floats");
+        dst[0] = values[0];
+    }
 }
 
 template <int HEAD_DIM, int ROWS>
-__global__ void __launch_bounds__(kDecodeThreads) flash_decode_fp32(const __grid_constant__ Params p) {
-    using Shape = DecodeShape<HEAD_DIM>;
-    constexpr int kBlockN = Shape::kBlockN, kRow = Shape::kRow, kVec = Shape::kVec;
-    constexpr int kRowsPerThread = ROWS / Shape::kRowSets;
-    constexpr int kWarps = kDecodeWarps;
-    static_assert(ROWS % Shape::kRowSets == 0 && ROWS % kWarps == 0, "ROWS must cover the row sets and warps");
-    static_assert(kDecodeThreads % Shape::kColumnGroups == 0, "head_dim must split into the threads");
-
+__global__ void __launch_bounds__(kDecodeThreads, HEAD_DIM == 256 ? 1 : 0) flash_decode_fp32(const __grid_constant__ Params p) {
+    using Shape = Fp32DecodeShape<HEAD_DIM, ROWS>;
+    constexpr int kVec = Shape::kVec, kRow = Shape::kRow, kBlockN = Shape::kBlockN, kWarpKeys = Shape::kWarpKeys;
+    constexpr int kKeyLanes = Shape::kKeyLanes, kLaneRows = Shape::kLaneRows, kOut = Shape::kOut;
+    static_assert(ROWS % 4 == 0 && ROWS >= kKeyLanes, "4 or 8 rows, at least one a lane after the reduce-scatter");
     extern __shared__ __align__(16) unsigned char shared_bytes[];
-    float* q_s = reinterpret_cast<float*>(shared_bytes);             // [ROWS][HEAD_DIM]
-    float* p_s = q_s + ROWS * HEAD_DIM;                              // [ROWS][kBlockN] scores, then P
-    float* alpha_s = p_s + ROWS * kBlockN;                           // [ROWS] rescale of this tile
-    float* stat_s = alpha_s + ROWS;                                  // [2][ROWS] final max and sum
-    float* k_tiles = reinterpret_cast<float*>(stat_s + 2 * ROWS);      // [2][kBlockN][kRow]
-    float* v_tiles = k_tiles + 2 * kBlockN * kRow;                    // [2][kBlockN][kRow]
-    float* reduce_s = reinterpret_cast<float*>(k_tiles);             // after the loop: [KG][ROWS][HEAD_DIM]
+    float* q_tile = reinterpret_cast<float*>(shared_bytes);       // [ROWS][HEAD_DIM]
+    float* p_tile = q_tile + ROWS * HEAD_DIM;                      // [warps][WARP_KEYS][ROWS]: this tile's P
+    float* alpha_tile = p_tile + kDecodeWarps * kWarpKeys * ROWS;  // [warps][ROWS]: this tile's rescale
+    float* stages = alpha_tile + kDecodeWarps * ROWS;              // K/V stages, then the merge
+    const DecodeMerge<HEAD_DIM, ROWS> merge(stages);
+    static_assert(DecodeMerge<HEAD_DIM, ROWS>::kBytes <= 4 * kBlockN * kRow * 4, "the merge fits in the K/V stages");
 
     const int split = blockIdx.x, b = blockIdx.z, group = p.group, seq_q = p.seq_q;
     const int chunks = (group * seq_q + ROWS - 1) / ROWS;
     const int kvh = blockIdx.y / chunks, row0 = (blockIdx.y % chunks) * ROWS;
     const int packed_rows = min(ROWS, group * seq_q - row0);
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
 
     int lo, hi;
     p.rules.key_range(b, p.seq_k, 0, seq_q - 1, &lo, &hi);
     lo = max(lo, split * p.keys_per_split);
     hi = min(hi, (split + 1) * p.keys_per_split);
-
-    const float* k_base = p.k.row<const float>(b, kvh, 0);
-    const float* v_base = p.v.row<const float>(b, kvh, 0);
-    const long long k_ss = p.k.ss, v_ss = p.v.ss;
-    if (lo < hi) {
-        decode_load_tile<HEAD_DIM>(k_tiles, k_base, k_ss, lo, hi);
-        decode_load_tile<HEAD_DIM>(v_tiles, v_base, v_ss, lo, hi);
-    }
+    const ScoreRule rule{p};
+    int interior_lo, interior_hi;  // tiles every row sees whole: no masking there
+    rule.template interior_tiles<kBlockN>(b, p.seq_k, 0, seq_q - 1, lo, hi, &interior_lo, &interior_hi);
+    if (p.softcap > 0.f) interior_hi = interior_lo;
+    const KeyValueStream<float, HEAD_DIM, kBlockN, kDecodeThreads> stream{p, stages, b, kvh, hi};
+    if (lo < hi) stream.load(0, lo);
     cp_async_commit();
+
     for (int index = threadIdx.x; index < ROWS * HEAD_DIM; index += kDecodeThreads) {
         const int r = index / HEAD_DIM, d = index % HEAD_DIM, packed = row0 + r;
         float value = 0.f;
-        if (r < packed_rows) {
-            const int h = kvh * group + packed / seq_q, i = packed % seq_q;
-            value = p.q.row<const float>(b, h, i)[d];
-        }
-        q_s[index] = value;
+        if (r < packed_rows) value = p.q.row<const float>(b, kvh * group + packed / seq_q, packed % seq_q)[d];
+        q_tile[index] = value;
     }
 
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int key = threadIdx.x % kBlockN, row_set = threadIdx.x / kBlockN;
-    const int column = (threadIdx.x % Shape::kColumnGroups) * kVec, key_group = threadIdx.x / Shape::kColumnGroups;
-    float row_max[ROWS / kWarps], row_sum[ROWS / kWarps];
+    // Scores: lane (part, key); after the reduce-scatter its rows part * kLaneRows + i as (head,
+    // position), position seq_q past the pack (hidden).
+    const int key = lane % kWarpKeys, part = lane / kWarpKeys;
+    int heads[kLaneRows], positions[kLaneRows];
 #pragma unroll
-    for (int r = 0; r < ROWS / kWarps; ++r) row_max[r] = negative_infinity(), row_sum[r] = 0.f;
-    float acc[ROWS][kVec];
+    for (int i = 0; i < kLaneRows; ++i) {
+        const int local = part * kLaneRows + i, packed = row0 + local;
+        heads[i] = local < packed_rows ? kvh * group + packed / seq_q : kvh * group;
+        positions[i] = local < packed_rows ? packed % seq_q : seq_q;
+    }
+    // P V: lane (value key, column chunk).
+    const int value_key = lane / Shape::kValueLanes, value_chunk = lane % Shape::kValueLanes;
+    float* warp_p = p_tile + warp * kWarpKeys * ROWS;
+    float* warp_alpha = alpha_tile + warp * ROWS;
+
+    // Per row of the lane (after the reduce-scatter): the running maximum m (log2 units, -inf before
+    // any visible key), the shift its probabilities are taken against (m, or 0 while m = -inf), the
+    // bound on a score's excess over the shift that a lazy tile accepts (kRescaleSlack; -inf while
+    // m = -inf, so that the first visible key rescales), and the lane's part of the row sum.
+    float row_max[kLaneRows], shift[kLaneRows], bound[kLaneRows], row_sum[kLaneRows];
+#pragma unroll
+    for (int i = 0; i < kLaneRows; ++i) {
+        row_max[i] = bound[i] = negative_infinity();
+        shift[i] = row_sum[i] = 0.f;
+    }
+    float acc[ROWS][kOut];
 #pragma unroll
     for (int r = 0; r < ROWS; ++r)
 #pragma unroll
-        for (int e = 0; e < kVec; ++e) acc[r][e] = 0.f;
+        for (int x = 0; x < kOut; ++x) acc[r][x] = 0.f;
 
-    int stage = 0;
-    for (int kt = lo; kt < hi; kt += kBlockN, stage ^= 1) {
-        if (kt + kBlockN < hi) {
-            decode_load_tile<HEAD_DIM>(k_tiles + (stage ^ 1) * kBlockN * kRow, k_base, k_ss, kt + kBlockN, hi);
-            decode_load_tile<HEAD_DIM>(v_tiles + (stage ^ 1) * kBlockN * kRow, v_base, v_ss, kt + kBlockN, hi);
-        }
-        cp_async_commit();
-        cp_async_wait<1>();
-        __syncthreads();
-        const float* k_tile = k_tiles + stage * kBlockN * kRow;
-        const float* v_tile = v_tiles + stage * kBlockN * kRow;
-
-        // Scores of key `kt + key` for this thread's rows, in log2 units, -inf where hidden.
-        {
-            float dot[kRowsPerThread];
+    // The tile's scores of the lane's rows for key `key`: MASKED, in log2 units under the contract's
+    // rule (-inf where hidden); else the raw dot products (the caller scales them).
+    auto tile_scores = [&](auto masked, int kt, int stage) {
+        constexpr bool MASKED = decltype(masked)::value;
+        float dot[ROWS];
 #pragma unroll
-            for (int r = 0; r < kRowsPerThread; ++r) dot[r] = 0.f;
-#pragma unroll 4
-            for (int d = 0; d < HEAD_DIM; d += kVec) {
-                float kv[kVec];
-                unpack16(k_tile + key * kRow + d, kv);
+        for (int r = 0; r < ROWS; ++r) dot[r] = 0.f;
+        const float* k_slice = stream.k_tile(stage) + (warp * kWarpKeys + key) * kRow + part * Shape::kLaneChunks * kVec;
+        const float* q_slice = q_tile + part * Shape::kLaneChunks * kVec;
 #pragma unroll
-                for (int r = 0; r < kRowsPerThread; ++r) {
-                    const float* q_row = q_s + (row_set * kRowsPerThread + r) * HEAD_DIM + d;
-#pragma unroll
-                    for (int e = 0; e < kVec; e += 4) {
-                        const float4 qv = *reinterpret_cast<const float4*>(q_row + e);
-                        dot[r] += qv.x * kv[e] + qv.y * kv[e + 1] + qv.z * kv[e + 2] + qv.w * kv[e + 3];
-                    }
-                }
-            }
-#pragma unroll
-            for (int r = 0; r < kRowsPerThread; ++r) {
-                const int local = row_set * kRowsPerThread + r, packed = row0 + local, j = kt + key;
-                float score = negative_infinity();
-                if (local < packed_rows && j < hi) {
-                    const int h = kvh * group + packed / seq_q, i = packed % seq_q;
-                    score = p.rules.apply(soft_cap(dot[r] * p.scale, p.softcap), b, h, i, j) * kLog2e;
-                }
-                p_s[local * kBlockN + key] = score;
-            }
-        }
-        __syncthreads();
-
-        // Online softmax: warp w updates rows w, w + kWarps, ...
-#pragma unroll
-        for (int r = 0; r < ROWS / kWarps; ++r) {
-            float* scores = p_s + (warp + r * kWarps) * kBlockN;
-            float tile_max = negative_infinity();
-#pragma unroll
-            for (int j = lane; j < kBlockN; j += 32) tile_max = fmaxf(tile_max, scores[j]);
-#pragma unroll
-            for (int step = 16; step > 0; step /= 2) tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffff, tile_max, step));
-            const float new_max = fmaxf(row_max[r], tile_max);
-            const float shift = new_max == negative_infinity() ? 0.f : new_max;
-            const float alpha = flush_tiny(exp2f(row_max[r] - shift));
-            float tile_sum = 0.f;
-#pragma unroll
-            for (int j = lane; j < kBlockN; j += 32) {
-                const float prob = flush_tiny(exp2f(scores[j] - shift));
-                scores[j] = prob;
-                tile_sum += prob;
-            }
-#pragma unroll
-            for (int step = 16; step > 0; step /= 2) tile_sum += __shfl_xor_sync(0xffffffff, tile_sum, step);
-            row_max[r] = new_max;
-            row_sum[r] = row_sum[r] * alpha + tile_sum;
-            if (lane == 0) alpha_s[warp + r * kWarps] = alpha;
-        }
-        __syncthreads();
-
-        // acc = acc * alpha + P V for this thread's column group and keys key_group + KG * n.
-#pragma unroll
-        for (int r = 0; r < ROWS; ++r) {
-            const float alpha = alpha_s[r];
-#pragma unroll
-            for (int e = 0; e < kVec; ++e) acc[r][e] = weighted_add(alpha, acc[r][e], 0.f);
-        }
-#pragma unroll 2
-        for (int j = key_group; j < kBlockN; j += Shape::kKeyGroups) {
-            float vv[kVec];
-            unpack16(v_tile + j * kRow + column, vv);
+        for (int c = 0; c < Shape::kLaneChunks; ++c) {
+            const float4 k4 = *reinterpret_cast<const float4*>(k_slice + c * kVec);
 #pragma unroll
             for (int r = 0; r < ROWS; ++r) {
-                const float prob = p_s[r * kBlockN + j];
-#pragma unroll
-                for (int e = 0; e < kVec; ++e) acc[r][e] = weighted_add(prob, vv[e], acc[r][e]);
+                const float4 q4 = *reinterpret_cast<const float4*>(q_slice + r * HEAD_DIM + c * kVec);
+                dot[r] = fmaf(q4.w, k4.w, fmaf(q4.z, k4.z, fmaf(q4.y, k4.y, fmaf(q4.x, k4.x, dot[r]))));
             }
         }
-        __syncthreads();  // this stage is overwritten by the prefetch of the tile after next
-    }
-    cp_async_wait<0>();
-    __syncthreads();  // the K/V tiles become the reduction buffer
-
-    if (lane == 0) {
+        // Reduce-scatter over the key's lanes (xor step * WARP_KEYS): each step halves the rows a
+        // lane keeps, the lane with the step's part bit set keeping the upper half.
 #pragma unroll
-        for (int r = 0; r < ROWS / kWarps; ++r) {
-            stat_s[warp + r * kWarps] = row_max[r];
-            stat_s[ROWS + warp + r * kWarps] = row_sum[r];
+        for (int step = kKeyLanes / 2; step > 0; step /= 2) {
+            const int half = ROWS * step / kKeyLanes;
+            const bool upper = (part & step) != 0;
+#pragma unroll
+            for (int i = 0; i < half; ++i) {
+                const float send = upper ? dot[i] : dot[i + half];
+                const float keep = upper ? dot[i + half] : dot[i];
+                dot[i] = keep + __shfl_xor_sync(0xffffffff, send, step * kWarpKeys);
+            }
         }
-    }
+        const int j = kt + warp * kWarpKeys + key;
+        Floats<kLaneRows> score;
 #pragma unroll
-    for (int r = 0; r < ROWS; ++r)
-#pragma unroll
-        for (int e = 0; e < kVec; ++e) reduce_s[(key_group * ROWS + r) * HEAD_DIM + column + e] = acc[r][e];
-    __syncthreads();
+        for (int i = 0; i < kLaneRows; ++i) {
+            score[i] = dot[i];
+            if constexpr (MASKED)
+                score[i] = positions[i] < seq_q && j < hi
+                               ? p.rules.apply(soft_cap(dot[i] * p.scale, p.softcap), b, heads[i], positions[i], j) * kLog2e
+                               : negative_infinity();
+        }
+        return score;
+    };
 
-    // Sum the key groups in order, normalise, write out + lse (one split) or the partials.
-    const int splits = gridDim.x;
-    for (int index = threadIdx.x; index < packed_rows * HEAD_DIM; index += kDecodeThreads) {
-        const int r = index / HEAD_DIM, d = index % HEAD_DIM, packed = row0 + r;
-        const int h = kvh * group + packed / seq_q, i = packed % seq_q;
-        float total = 0.f;
-#pragma unroll 4
-        for (int g = 0; g < Shape::kKeyGroups; ++g) total += reduce_s[(g * ROWS + r) * HEAD_DIM + d];
-        const float sum = stat_s[ROWS + r];
-        const float value = sum > 0.f ? total / sum : 0.f;
-        const float row_lse = sum > 0.f ? (stat_s[r] + log2f(sum)) * kLn2 : negative_infinity();
-        if (splits == 1) {
-            p.out.row<float>(b, h, i)[d] = value;
-            if (d == 0) *p.lse.row<float>(b, h, i) = row_lse;
+    // O = alpha O + P V (RESCALE) or O + P V for this lane's columns, from the tile's V and the
+    // warp's P and alpha.  EXACT: with weighted_add's zero-weight rule.  Else plain FMAs, and false
+    // (O left as it was) when that made a NaN in any lane's output: the caller redoes it exactly.
+    auto update_output = [&](auto exact, auto rescale, int stage) -> bool {
+        constexpr bool EXACT = decltype(exact)::value, RESCALE = decltype(rescale)::value;
+        const float* v_rows = stream.v_tile(stage) + warp * kWarpKeys * kRow;
+        float next[ROWS][kOut];
+        if constexpr (RESCALE) {
+            float alpha[ROWS];
+#pragma unroll
+            for (int r = 0; r < ROWS; r += 4) load4(alpha, r, warp_alpha + r);
+#pragma unroll
+            for (int r = 0; r < ROWS; ++r)
+#pragma unroll
+                for (int x = 0; x < kOut; ++x) next[r][x] = EXACT ? weighted_add(alpha[r], acc[r][x], 0.f) : alpha[r] * acc[r][x];
         } else {
-            const long long row = split * p.rows + (static_cast<long long>(b) * p.heads_q + h) * seq_q + i;
-            if (sum > 0.f) p.partial_out[row * HEAD_DIM + d] = value;
-            if (d == 0) p.partial_lse[row] = row_lse;
+#pragma unroll
+            for (int r = 0; r < ROWS; ++r)
+#pragma unroll
+                for (int x = 0; x < kOut; ++x) next[r][x] = acc[r][x];
+        }
+#pragma unroll
+        for (int n = 0; n < kWarpKeys / Shape::kValueKeys; ++n) {
+            const int v_key = value_key + n * Shape::kValueKeys;
+            float v[kOut], weights[ROWS];
+#pragma unroll
+            for (int c = 0; c < Shape::kValueChunks; ++c)
+                load4(v, c * kVec, v_rows + v_key * kRow + (value_chunk + c * Shape::kValueLanes) * kVec);
+#pragma unroll
+            for (int r = 0; r < ROWS; r += 4) load4(weights, r, warp_p + v_key * ROWS + r);
+#pragma unroll
+            for (int r = 0; r < ROWS; ++r)
+#pragma unroll
+                for (int x = 0; x < kOut; ++x)
+                    next[r][x] = EXACT ? weighted_add(weights[r], v[x], next[r][x]) : fmaf(weights[r], v[x], next[r][x]);
+        }
+        if constexpr (!EXACT) {
+            float probe = 0.f;
+#pragma unroll
+            for (int r = 0; r < ROWS; ++r)
+#pragma unroll
+                for (int x = 0; x < kOut; ++x) probe += next[r][x];
+            if (__any_sync(0xffffffff, probe != probe)) return false;
+        }
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r)
+#pragma unroll
+            for (int x = 0; x < kOut; ++x) acc[r][x] = next[r][x];
+        return true;
+    };
+
+    // A tile that keeps every row's shift: false (nothing changed) when a score of the warp is over
+    // its row's shift by more than the bound, or the plain FMAs made a NaN.
+    auto lazy_tile = [&](auto masked, int kt, int stage) -> bool {
+        constexpr bool MASKED = decltype(masked)::value;
+        const Floats<kLaneRows> score = tile_scores(masked, kt, stage);
+        float excess[kLaneRows], prob[kLaneRows];
+        bool over = false;
+#pragma unroll
+        for (int i = 0; i < kLaneRows; ++i) {
+            excess[i] = MASKED ? score[i] - shift[i] : fmaf(score[i], rule.scale_log2, -shift[i]);
+            over = over || excess[i] > bound[i];
+        }
+        if (__any_sync(0xffffffff, over)) return false;
+#pragma unroll
+        for (int i = 0; i < kLaneRows; ++i) prob[i] = fast_exp2(excess[i]);
+        store_floats(warp_p + key * ROWS + part * kLaneRows, prob);
+        __syncwarp();
+        if (!update_output(Flag<false>{}, Flag<false>{}, stage)) return false;
+#pragma unroll
+        for (int i = 0; i < kLaneRows; ++i) row_sum[i] += prob[i];
+        return true;
+    };
+
+    // The online softmax step with the tile's row maxima (the first tile, a score over the bound, a
+    // NaN): every row shifted to its new maximum, O and the sums rescaled.
+    auto rescaling_tile = [&](auto masked, int kt, int stage) {
+        constexpr bool MASKED = decltype(masked)::value;
+        const Floats<kLaneRows> score = tile_scores(masked, kt, stage);
+        float prob[kLaneRows], alpha[kLaneRows];
+#pragma unroll
+        for (int i = 0; i < kLaneRows; ++i) {
+            float tile_max = score[i];
+#pragma unroll
+            for (int width = kWarpKeys / 2; width > 0; width /= 2)
+                tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffff, tile_max, width));
+            if constexpr (!MASKED) tile_max *= rule.scale_log2;
+            const float new_max = fmaxf(row_max[i], tile_max);
+            const bool none = new_max == negative_infinity();
+            alpha[i] = fast_exp2(row_max[i] - (none ? 0.f : new_max));
+            row_max[i] = new_max;
+            shift[i] = none ? 0.f : new_max;
+            bound[i] = none ? negative_infinity() : kRescaleSlack;
+            prob[i] = fast_exp2(MASKED ? score[i] - shift[i] : fmaf(score[i], rule.scale_log2, -shift[i]));
+            row_sum[i] = fmaf(row_sum[i], alpha[i], prob[i]);
+        }
+        store_floats(warp_p + key * ROWS + part * kLaneRows, prob);
+        if (key == 0) store_floats(warp_alpha + part * kLaneRows, alpha);
+        __syncwarp();
+        if (!update_output(Flag<false>{}, Flag<true>{}, stage)) {
+            __syncwarp();  // reread V and P rather than keep them live
+            update_output(Flag<true>{}, Flag<true>{}, stage);
+        }
+    };
+
+    // Tiles [kt, end): lazy tiles in the loop that streams the cache; a tile that needs more is
+    // redone as a rescaling tile outside it.  The barrier at each tile's end: its stage (and the
+    // warp's P) is overwritten by the tile after next.
+    int kt = lo, stage = 0;
+    auto walk = [&](auto masked, int end) {
+        while (kt < end) {
+            for (; kt < end; kt += kBlockN, stage ^= 1) {
+                stream.next(kt, stage);
+                if (!lazy_tile(masked, kt, stage)) break;
+                __syncthreads();
+            }
+            if (kt >= end) break;
+            __syncwarp();  // the lazy tile's reads of the warp's P are done
+            rescaling_tile(masked, kt, stage);
+            __syncthreads();
+            kt += kBlockN, stage ^= 1;
+        }
+    };
+    // Edge tiles (window start), interior tiles, edge tiles (diagonal, key_lengths, split end).
+    walk(Flag<true>{}, interior_lo);
+    walk(Flag<false>{}, interior_hi);
+    walk(Flag<true>{}, hi);
+    cp_async_wait<0>();
+    __syncthreads();  // the stages become the merge buffer
+
+    // Row sums over the warp's keys; outputs over the V rows side by side.
+#pragma unroll
+    for (int i = 0; i < kLaneRows; ++i) {
+#pragma unroll
+        for (int width = kWarpKeys / 2; width > 0; width /= 2) row_sum[i] += __shfl_xor_sync(0xffffffff, row_sum[i], width);
+        if (key == 0) {
+            merge.row_max[warp * ROWS + part * kLaneRows + i] = row_max[i];
+            merge.row_sum[warp * ROWS + part * kLaneRows + i] = row_sum[i];
         }
     }
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+#pragma unroll
+        for (int width = Shape::kValueLanes; width < 32; width *= 2)
+#pragma unroll
+            for (int x = 0; x < kOut; ++x) acc[r][x] += __shfl_xor_sync(0xffffffff, acc[r][x], width);
+        if (value_key == 0)
+#pragma unroll
+            for (int c = 0; c < Shape::kValueChunks; ++c)
+                store4(merge.output + (warp * ROWS + r) * HEAD_DIM + (value_chunk + c * Shape::kValueLanes) * kVec, acc[r],
+                       c * kVec);
+    }
+    merge.template finish<float>(p, b, kvh, row0, packed_rows);
 }
 
 // Merge the splits of one query row: out = sum_s exp(lse_s - M) out_s / sum_s exp(lse_s - M),

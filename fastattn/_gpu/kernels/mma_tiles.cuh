@@ -15,6 +15,10 @@ namespace fastattn_gpu {
 
 constexpr int kPad = 8;  // elements of padding per shared-memory row: ldmatrix rows hit distinct banks
 
+// Elements of one 16-byte chunk (a cp.async copy); the K/V tiles of any element type are padded by
+// one chunk a row (kPad for the 16-bit ones), so that 8 rows' 16-byte reads hit distinct banks.
+template <typename Elem> constexpr int kChunk = 16 / static_cast<int>(sizeof(Elem));
+
 template <typename Elem> struct Pack;
 template <> struct Pack<__half> {
     static __device__ __forceinline__ unsigned int two(float lo, float hi) {
@@ -48,7 +52,8 @@ __device__ __forceinline__ int at_offset(int lane, int stride) {
     return ((lane & 7) + ((lane >> 4) & 1) * 8) * stride + ((lane >> 3) & 1) * 8;
 }
 
-// Copy `ROWS` rows (from `first`, zero past `limit`) of HEAD_DIM elements into a padded smem tile,
+// Copy `ROWS` rows (from `first`, zero past `limit`) of HEAD_DIM elements into a smem tile padded by
+// one 16-byte chunk a row,
 // with THREADS threads of the block taking 16-byte chunks in turn.  When a thread's chunks stay in
 // one column (THREADS a multiple of the chunks per row: every head_dim but 96) the trip count is a
 // constant, the loop unrolls, and each copy costs its cp.async and an address add: the row pointer
@@ -56,27 +61,28 @@ __device__ __forceinline__ int at_offset(int lane, int stride) {
 template <typename Elem, int HEAD_DIM, int ROWS, int THREADS>
 __device__ __forceinline__ void load_tile(Elem* tile, const Elem* base, long long row_stride, long long first,
                                           long long limit) {
-    constexpr int kChunksPerRow = HEAD_DIM / 8;
+    constexpr int kVec = kChunk<Elem>, kRow = HEAD_DIM + kVec;
+    constexpr int kChunksPerRow = HEAD_DIM / kVec;
     constexpr int kChunks = ROWS * kChunksPerRow;
     if constexpr (THREADS % kChunksPerRow == 0) {
         constexpr int kRowStep = THREADS / kChunksPerRow;
-        const int row0 = threadIdx.x / kChunksPerRow, col = (threadIdx.x % kChunksPerRow) * 8;
+        const int row0 = threadIdx.x / kChunksPerRow, col = (threadIdx.x % kChunksPerRow) * kVec;
         const Elem* src = base + (first + row0) * row_stride + col;
-        Elem* dst = tile + row0 * (HEAD_DIM + kPad) + col;
+        Elem* dst = tile + row0 * kRow + col;
         const long long step = kRowStep * row_stride;
         const int rows_left = static_cast<int>(min(limit - first - row0, static_cast<long long>(ROWS)));
 #pragma unroll
         for (int trip = 0; trip < (kChunks + THREADS - 1) / THREADS; ++trip) {
             // A row past `limit` is zero-filled: cp.async reads no byte of its (unused) address.
             if (kChunks % THREADS == 0 || row0 + trip * kRowStep < ROWS)
-                cp_async_16(dst + trip * kRowStep * (HEAD_DIM + kPad), src + trip * step, trip * kRowStep < rows_left);
+                cp_async_16(dst + trip * kRowStep * kRow, src + trip * step, trip * kRowStep < rows_left);
         }
     } else {
         for (int chunk = threadIdx.x; chunk < kChunks; chunk += THREADS) {
-            const int row = chunk / kChunksPerRow, col = (chunk % kChunksPerRow) * 8;
+            const int row = chunk / kChunksPerRow, col = (chunk % kChunksPerRow) * kVec;
             const bool valid = first + row < limit;
             const Elem* src = base + (valid ? (first + row) * row_stride : 0) + col;
-            cp_async_16(tile + row * (HEAD_DIM + kPad) + col, src, valid);
+            cp_async_16(tile + row * kRow + col, src, valid);
         }
     }
 }
@@ -87,7 +93,7 @@ __device__ __forceinline__ void load_tile(Elem* tile, const Elem* base, long lon
 //   for (kt = lo, stage = 0; kt < hi; kt += BLOCK_N, stage ^= 1) { stream.next(kt, stage); ...; __syncthreads(); }
 //   cp_async_wait<0>();
 template <typename Elem, int HEAD_DIM, int BLOCK_N, int THREADS> struct KeyValueStream {
-    static constexpr int kRow = HEAD_DIM + kPad;
+    static constexpr int kRow = HEAD_DIM + kChunk<Elem>;
     // Only what the call's Params cannot give: the rest (addresses, strides) is read from the
     // constant bank at each load, so no register holds it across the key loop.
     const Params& p;
