@@ -49,9 +49,19 @@ __global__ void copies(const float* __restrict__ x, float* before, float* after,
     after[i] = tile[i];
     zero[i] = tile[32 + i];
 }
+// One warp: y[lane] = the neighbour's slot of a shared word, written before __syncwarp (or not);
+// any[lane] = whether some lane's x is negative (__any_sync).
+__global__ void warp_sync(const float* __restrict__ x, float* y, int* any, int synced) {
+    extern __shared__ float tile[];
+    const int lane = threadIdx.x;
+    tile[lane] = x[lane];
+    if (synced) __syncwarp();
+    y[lane] = tile[(lane + 1) % 32];
+    any[lane] = __any_sync(0xffffffff, x[lane] < 0.f);
+}
 }  // namespace t
 """
-NAMES = ("t::rotate_sum", "t::early_exit", "t::half_warp_shuffle", "t::overrun", "t::copies")
+NAMES = ("t::rotate_sum", "t::early_exit", "t::half_warp_shuffle", "t::overrun", "t::copies", "t::warp_sync")
 
 
 @pytest.fixture(scope="module")
@@ -118,3 +128,25 @@ def test_arguments_are_checked_against_the_parameters(module: emulator.EmulatedM
         kernel((1,), (32,), (x, x, np.float64(3), np.int32(1)), shared_mem=128)
     with pytest.raises(TypeError, match="expected 4 arguments, received 3"):
         kernel((1,), (32,), (x, x, np.float32(3)), shared_mem=128)
+
+
+def _warp_sync(
+    module: emulator.EmulatedModule, x: np.ndarray, synced: bool, seed: int
+) -> tuple[np.ndarray, np.ndarray]:
+    y, any_negative = np.full(32, 7.0, np.float32), np.full(32, -1, np.int32)
+    kernel = module.get_function("t::warp_sync")
+    kernel((1,), (32,), (x, y, any_negative, np.int32(synced)), shared_mem=32 * 4, seed=seed)
+    return y, any_negative
+
+
+def test_syncwarp_orders_the_lanes_and_any_sync_votes(module: emulator.EmulatedModule) -> None:
+    """__syncwarp makes every lane's earlier shared-memory write visible to the others (without it,
+    some lane order of the seeds reads poison); __any_sync gives every lane the warp's vote."""
+    x = np.random.default_rng().uniform(0.5, 1.0, 32).astype(np.float32)
+    for seed in range(4):
+        y, any_negative = _warp_sync(module, x, True, seed)
+        np.testing.assert_array_equal(y, np.roll(x, -1))
+        np.testing.assert_array_equal(any_negative, 0)
+    x[17] = -x[17]
+    assert (_warp_sync(module, x, True, 0)[1] == 1).all()
+    assert any(np.isnan(_warp_sync(module, x, False, seed)[0]).any() for seed in range(8))
