@@ -111,6 +111,24 @@ BUGS = [
         "store_floats(warp_p + key * ROWS + part * kLaneRows, prob);\n        if (!update",
     ),
     Bug(
+        "tensor-core forward: no exact rerun when a block's output came out NaN (0 x inf on the tensor cores)",
+        "flash_forward.cu",
+        "if (__syncthreads_or(probe != probe)) {",
+        "if (__syncthreads_or(false)) {",
+    ),
+    Bug(
+        "tensor-core decode: no exact rerun when a block's output came out NaN (0 x inf on the tensor cores)",
+        "flash_decode.cu",
+        "if (__syncthreads_or(probe != probe)) {",
+        "if (__syncthreads_or(false)) {",
+    ),
+    Bug(
+        "tensor-core exact product: row g + 8's weights read from row g's register",
+        "mma_tiles.cuh",
+        "Pack<Elem>::element(__shfl_sync(0xffffffff, a[ks][reg + 1], owner), kk % 2);",
+        "Pack<Elem>::element(__shfl_sync(0xffffffff, a[ks][reg], owner), kk % 2);",
+    ),
+    Bug(
         "tensor-core backward: dS^T read before every warp has written it (no __syncthreads)",
         "flash_backward.cu",
         "Pack<Elem>::two(dp[nb][2 * r], dp[nb][2 * r + 1]);\n            }\n        }\n        __syncthreads();\n",
@@ -178,6 +196,8 @@ def _cases() -> list[Callable[[], None]]:
     calls: list[Callable[[], None]] = []
     for dtype, sizes, options in test_kernels.FORWARDS:
         calls.append(lambda c=(dtype, sizes, options): test_kernels.test_forward_kernels_match_the_reference(*c))
+    for dtype, sizes, options in test_kernels.NONFINITE_FORWARDS:
+        calls.append(lambda c=(dtype, sizes, options): test_kernels.check_nonfinite_forward(*c))
     for dtype, sizes, options, deterministic in test_kernels.BACKWARDS:
         arguments = (dtype, sizes, options, deterministic)
         calls.append(lambda c=arguments: test_kernels.test_backward_kernels_match_the_reference(*c))
@@ -197,7 +217,9 @@ def _cases() -> list[Callable[[], None]]:
     return calls
 
 
-def _failures(calls: list[Callable[[], None]]) -> list[str]:
+def _failures(calls: list[Callable[[], None]], first_only: bool = False) -> list[str]:
+    """The calls that fail, as lines; with ``first_only``, up to the first (a planted bug is caught
+    once one case fails)."""
     failed = []
     for index, call in enumerate(calls):
         try:
@@ -205,6 +227,8 @@ def _failures(calls: list[Callable[[], None]]) -> list[str]:
         except (AssertionError, emulator.EmulationError) as error:
             first_line = (str(error) or "a result beyond tolerance").splitlines()[0][:100]
             failed.append(f"case {index}: {type(error).__name__}: {first_line}")
+            if first_only:
+                break
     return failed
 
 
@@ -230,7 +254,7 @@ def main() -> int:
         _launch.source_text = planted
         _launch._emulated_kernel.cache_clear()
         try:
-            failed = _failures(calls)
+            failed = _failures(calls, first_only=True)
         finally:
             _launch.source_text = original
         status = "caught" if failed else "MISSED"

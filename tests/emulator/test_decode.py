@@ -114,14 +114,15 @@ def check_emulated_decode(case: Case, forced: tuple[int, int] | None = None) -> 
             raise AssertionError(f"{case}: {error}") from error
 
 
-#: (id, case) of the NaN/inf runs of the float32 decode: its lanes split a key 1, 2 and 4 ways, 4 and
-#: 8 rows a block.  (The tensor-core kernels multiply P by V on mma.sync, where a weight of 0 times
-#: an inf/NaN value gives NaN: the conformance suite's NaN/inf tests, and these, cover float32 only.)
+#: (id, case) of the NaN/inf runs: the float32 decode with its lanes splitting a key 1, 2 and 4 ways,
+#: 4 and 8 rows a block; the tensor-core decode (its exact rerun) in both 16-bit types.
 NONFINITE_CASES: list[tuple[str, Case]] = [
-    (f"float32-d{head_dim}-group{group}",
-     decode_case(seq_k=300, head_dim=head_dim, head_dim_v=head_dim, group=group, causal=False, mask_kind="bool",
-                 mask_shape=(3, 1, 1, 300), key_lengths=ragged(300)))
-    for head_dim, group in ((32, 4), (32, 8), (64, 8), (128, 4), (256, 4))
+    (f"{dtype}-d{head_dim}-group{group}",
+     decode_case(dtype=dtype, seq_k=300, head_dim=head_dim, head_dim_v=head_dim, group=group, causal=False,
+                 mask_kind="bool", mask_shape=(3, 1, 1, 300), key_lengths=ragged(300)))
+    for dtype, head_dim, group in (("float32", 32, 4), ("float32", 32, 8), ("float32", 64, 8), ("float32", 128, 4),
+                                   ("float32", 256, 4), ("bfloat16", 32, 4), ("bfloat16", 128, 8),
+                                   ("float16", 64, 4), ("float16", 256, 4))
 ]  # fmt: skip
 
 

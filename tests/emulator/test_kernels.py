@@ -68,6 +68,43 @@ def test_forward_kernels_match_the_reference(dtype: str, sizes: tuple[int, ...],
     assert relative_error(lse[seen].astype(np.float64), expected_lse[seen], scale) <= FORWARD_TOLERANCE[dtype]
 
 
+#: Tensor-core forwards whose V holds inf/NaN at keys some rows of a tile see and others do not.
+NONFINITE_FORWARDS = [
+    ("float16", (1, 2, 1, 70, 90, 64), AttentionOptions(causal=True)),
+    ("bfloat16", (1, 2, 1, 40, 70, 128), AttentionOptions(window=(16, 3))),
+]
+
+
+def check_nonfinite_forward(dtype: str, sizes: tuple[int, ...], options: AttentionOptions) -> None:
+    """inf and NaN in V at keys inside the causal diagonal (or the window's edge) tile: the rows that
+    see them get the reference's inf/NaN, the rows of the same tiles that do not stay finite (a
+    weight of 0 counts 0, which the tensor cores' 0 x inf = NaN breaks without the exact rerun)."""
+    arrays = _inputs(dtype, *sizes)
+    rng = np.random.default_rng()
+    seq_k, head_dim = sizes[4], sizes[5]
+    for value in (np.inf, -np.inf, np.nan):
+        arrays["v"][0, 0, rng.integers(seq_k // 3, seq_k), rng.integers(head_dim)] = value
+    call = _validation.prepare("forward", {name: arrays[name] for name in "qkv"}, options)
+    with _launch.emulated():
+        out, lse = CudaBackend().forward(call.problem, arrays["q"], arrays["k"], arrays["v"], call.extras)
+    with np.errstate(all="ignore"):
+        expected_out, expected_lse = _reference(arrays, options)[:2]
+    results = (("out", out.astype(np.float64), expected_out), ("lse", lse.astype(np.float64), expected_lse))
+    for name, got, want in results:
+        for kind, test in (("NaN", np.isnan), ("+inf", np.isposinf), ("-inf", np.isneginf)):
+            where = np.argwhere(test(got) != test(want))
+            assert where.size == 0, f"{name}: {kind} pattern differs from the reference at {where[:5].tolist()}"
+        finite = np.isfinite(want)
+        assert relative_error(got[finite], want[finite]) <= FORWARD_TOLERANCE[dtype], name
+
+
+@pytest.mark.parametrize(("dtype", "sizes", "options"), NONFINITE_FORWARDS)
+def test_inf_and_nan_values_reach_only_the_rows_that_see_them(
+    dtype: str, sizes: tuple[int, ...], options: AttentionOptions
+) -> None:
+    check_nonfinite_forward(dtype, sizes, options)
+
+
 BACKWARDS = [
     ("float32", (1, 2, 1, 40, 50, 64), AttentionOptions(causal=True), False),
     ("float16", (1, 2, 1, 70, 90, 64), AttentionOptions(causal="bottom_right"), False),

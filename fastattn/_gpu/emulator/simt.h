@@ -5,11 +5,11 @@
 // one after another, in an order drawn by the launch's seed afresh for every interval, each as far
 // as it can go alone, and the lanes of a warp run in a shuffled order between collectives: a read
 // that a missing __syncthreads leaves unordered with its write sees the wrong data (or the poison).
-//   - __syncthreads: a block barrier.  A barrier some threads never reach, or a thread that exits
-//     while others wait, is an error (never a hang).
-//   - Warp collectives (__shfl_xor_sync, __any_sync, __syncwarp, mma.sync, ldmatrix): the 32 lanes
-//     meet at a warp barrier and exchange through per-warp slots.  A lane missing from a collective
-//     is an error.
+//   - __syncthreads (and __syncthreads_or): a block barrier.  A barrier some threads never reach, or
+//     a thread that exits while others wait, is an error (never a hang).
+//   - Warp collectives (__shfl_xor_sync, __shfl_sync, __any_sync, __syncwarp, mma.sync, ldmatrix):
+//     the 32 lanes meet at a warp barrier and exchange through per-warp slots.  A lane missing from
+//     a collective is an error.
 //   - mma.sync.m16n8k16 and ldmatrix.x4 follow the PTX ISA's register-fragment layouts lane by lane
 //     ("Matrix Fragments for mma.m16n8k16 with floating point type"; "Warp-level matrix load
 //     instruction: ldmatrix"); products are exact in float and accumulate in float.
@@ -210,6 +210,7 @@ struct Launch {
     Thread* current = nullptr;
     std::string error;
     std::mt19937_64 order_random;
+    std::vector<int> votes;  // __syncthreads_or: each thread's predicate
 };
 
 // The launch running on this OS thread (its fibers all run on the thread that launched them), so
@@ -439,6 +440,31 @@ template <typename T> T shfl_xor(unsigned int mask, T value, int lane_mask, int 
     return result;
 }
 
+template <typename T> T shfl_index(unsigned int mask, T value, int source, int width) {
+    static_assert(sizeof(T) <= 8, "__shfl_sync of a value wider than 8 bytes");
+    check_full_mask(mask, "__shfl_sync");
+    if (width != kWarpSize) fail("__shfl_sync: only width 32 is emulated");
+    Thread& thread = this_thread();
+    WarpSlots& slots = warp_slots();
+    std::memcpy(slots.words[thread.lane], &value, sizeof(T));
+    warp_barrier();
+    T result;
+    std::memcpy(&result, slots.words[source & (kWarpSize - 1)], sizeof(T));
+    warp_barrier();  // every lane has read before the slots are written again
+    return result;
+}
+
+// __syncthreads_or: a block barrier that gives every thread whether any thread's predicate holds.
+inline bool block_vote_any(bool predicate) {
+    Launch& launch = *launch_state();
+    if (launch.votes.size() != launch.threads.size()) launch.votes.assign(launch.threads.size(), 0);
+    launch.votes[this_thread().linear] = predicate ? 1 : 0;
+    block_barrier();
+    const bool any = std::any_of(launch.votes.begin(), launch.votes.end(), [](int vote) { return vote != 0; });
+    block_barrier();  // every thread has read before a later vote writes
+    return any;
+}
+
 // __any_sync: whether any lane's predicate holds, given to every lane.
 inline bool vote_any(unsigned int mask, bool predicate) {
     check_full_mask(mask, "__any_sync");
@@ -578,6 +604,10 @@ template <typename T> inline T __shfl_xor_sync(unsigned int mask, T value, int l
     return fastattn_emu::shfl_xor(mask, value, lane_mask, width);
 }
 
+template <typename T> inline T __shfl_sync(unsigned int mask, T value, int source, int width = 32) {
+    return fastattn_emu::shfl_index(mask, value, source, width);
+}
+inline int __syncthreads_or(int predicate) { return fastattn_emu::block_vote_any(predicate != 0); }
 inline int __any_sync(unsigned int mask, int predicate) { return fastattn_emu::vote_any(mask, predicate != 0); }
 inline void __syncwarp(unsigned int mask = 0xffffffffu) { fastattn_emu::sync_warp(mask); }
 

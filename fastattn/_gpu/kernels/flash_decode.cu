@@ -176,9 +176,10 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) flash_decode(const __grid_c
     float acc[kOutBlocks][4];
     zero(acc);
 
-    // One key tile, this warp's WARP_KEYS keys of it; MASKED and RAW as in flash_forward.
-    auto tile = [&](auto masked, int kt, int stage) {
-        constexpr bool MASKED = decltype(masked)::value;
+    // One key tile, this warp's WARP_KEYS keys of it; MASKED and RAW as in flash_forward; EXACT, P V
+    // in SIMT float math with the zero-weight rule (exact_product_registers).
+    auto tile = [&](auto masked, auto exact, int kt, int stage) {
+        constexpr bool MASKED = decltype(masked)::value, EXACT = decltype(exact)::value;
         constexpr bool RAW = !MASKED && !SOFTCAP;
         stream.next(kt, stage);
         const int key0 = kt + warp * kWarpKeys;
@@ -189,19 +190,41 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) flash_decode(const __grid_c
                                                     lane);
         rule.template tile_log2_scores<MASKED, SOFTCAP>(s, b, heads, positions, key0 + pair, hi);
         unsigned int probs[kKeyBlocks / 2][4];
-        online_softmax_tile<Elem, RAW>(s, rule.scale_log2, row_max, row_sum, acc, probs, [](int, float(&)[4]) {});
-        warp_product_registers<Elem, kKeyBlocks / 2, kOutBlocks>(acc, probs, stream.v_tile(stage) + warp * kWarpKeys * kRow,
-                                                                kRow, lane);
+        online_softmax_tile<Elem, RAW, EXACT>(s, rule.scale_log2, row_max, row_sum, acc, probs, [](int, float(&)[4]) {});
+        const Elem* v_rows = stream.v_tile(stage) + warp * kWarpKeys * kRow;
+        if constexpr (EXACT)
+            exact_product_registers<Elem, kKeyBlocks / 2, kOutBlocks>(acc, probs, v_rows, kRow, lane);
+        else
+            warp_product_registers<Elem, kKeyBlocks / 2, kOutBlocks>(acc, probs, v_rows, kRow, lane);
         __syncthreads();  // this stage is overwritten by the prefetch of the tile after next
     };
 
-    // Edge tiles (window start), interior tiles, edge tiles (diagonal, key_lengths, split end).
-    int kt = lo, stage = 0;
-    for (; kt < interior_lo; kt += kBlockN, stage ^= 1) tile(Flag<true>{}, kt, stage);
-    for (; kt < interior_hi; kt += kBlockN, stage ^= 1) tile(Flag<false>{}, kt, stage);
-    for (; kt < hi; kt += kBlockN, stage ^= 1) tile(Flag<true>{}, kt, stage);
-    cp_async_wait<0>();
-    __syncthreads();  // the stages become the merge buffer
+    // Edge tiles (window start), interior tiles, edge tiles (diagonal, key_lengths, split end); the
+    // first tile's copy is in flight.
+    auto walk_keys = [&](auto exact) {
+        int kt = lo, stage = 0;
+        for (; kt < interior_lo; kt += kBlockN, stage ^= 1) tile(Flag<true>{}, exact, kt, stage);
+        for (; kt < interior_hi; kt += kBlockN, stage ^= 1) tile(Flag<false>{}, exact, kt, stage);
+        for (; kt < hi; kt += kBlockN, stage ^= 1) tile(Flag<true>{}, exact, kt, stage);
+        cp_async_wait<0>();
+        __syncthreads();  // the stages become the merge buffer
+    };
+    walk_keys(Flag<false>{});
+    // The zero-weight rule: on the tensor cores a weight of 0 times an inf/NaN value (a key hidden
+    // from this row but not from others of the tile: mask, window) is NaN, and a NaN stays in the
+    // accumulator.  So when any of the block's accumulators is NaN the block walks its keys again
+    // with exact products (a cache without inf/NaN never does; a NaN the rule keeps comes out again).
+    float probe = 0.f;
+#pragma unroll
+    for (int nb = 0; nb < kOutBlocks; ++nb) probe += (acc[nb][0] + acc[nb][1]) + (acc[nb][2] + acc[nb][3]);
+    if (__syncthreads_or(probe != probe)) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) row_max[r] = negative_infinity(), row_sum[r] = 0.f;
+        zero(acc);
+        if (lo < hi) stream.load(0, lo);
+        cp_async_commit();
+        walk_keys(Flag<true>{});
+    }
 
     // Each warp's rows: statistics (row sums over the quad) and its unnormalised output.
 #pragma unroll

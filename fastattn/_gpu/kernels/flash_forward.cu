@@ -67,8 +67,9 @@ __global__ void __launch_bounds__(kWarps * 32, 2) flash_forward(const __grid_con
     // interior (every row sees every key) and the scores are only scaled (and softcapped).  RAW: an
     // interior tile without softcap keeps the raw dot products, takes their maximum, and folds the
     // scale into the exponent's FFMA (exp2(dot scale log2e - max)); interior tiles need scale > 0.
-    auto tile = [&](auto masked, int kt, int stage) {
-        constexpr bool MASKED = decltype(masked)::value;
+    // EXACT: P V in SIMT float math with the zero-weight rule (exact_product_registers).
+    auto tile = [&](auto masked, auto exact, int kt, int stage) {
+        constexpr bool MASKED = decltype(masked)::value, EXACT = decltype(exact)::value;
         constexpr bool RAW = !MASKED && !SOFTCAP;
         stream.next(kt, stage);
 
@@ -80,7 +81,7 @@ __global__ void __launch_bounds__(kWarps * 32, 2) flash_forward(const __grid_con
         // Scores in log2 units, then the online softmax.
         rule.template tile_log2_scores<MASKED, SOFTCAP>(s, b, heads, rows, kt + pair, hi);
         unsigned int probs[kKeyBlocks / 2][4];
-        online_softmax_tile<Elem, RAW>(s, rule.scale_log2, row_max, row_sum, acc, probs, [&](int nb, float (&prob)[4]) {
+        online_softmax_tile<Elem, RAW, EXACT>(s, rule.scale_log2, row_max, row_sum, acc, probs, [&](int nb, float (&prob)[4]) {
             if constexpr (DROPOUT) {
 #pragma unroll
                 for (int r = 0; r < 2; ++r) {
@@ -93,17 +94,39 @@ __global__ void __launch_bounds__(kWarps * 32, 2) flash_forward(const __grid_con
         });
 
         // O += P V: k = keys (16 per step), n = head_dim.
-        warp_product_registers<Elem, kKeyBlocks / 2, kOutBlocks>(acc, probs, stream.v_tile(stage), kRow, lane);
+        if constexpr (EXACT)
+            exact_product_registers<Elem, kKeyBlocks / 2, kOutBlocks>(acc, probs, stream.v_tile(stage), kRow, lane);
+        else
+            warp_product_registers<Elem, kKeyBlocks / 2, kOutBlocks>(acc, probs, stream.v_tile(stage), kRow, lane);
         __syncthreads();  // this stage is overwritten by the prefetch of the tile after next
     };
 
-    // Edge tiles (window start), interior tiles, edge tiles (diagonal, key_lengths, sequence end).
-    int kt = lo, stage = 0;
-    for (; kt < interior_lo; kt += BLOCK_N, stage ^= 1) tile(Flag<true>{}, kt, stage);
-    for (; kt < interior_hi; kt += BLOCK_N, stage ^= 1) tile(Flag<false>{}, kt, stage);
-    for (; kt < hi; kt += BLOCK_N, stage ^= 1) tile(Flag<true>{}, kt, stage);
-    cp_async_wait<0>();
-    __syncthreads();  // every thread's copies into the Q tile have landed (a block with no key tile)
+    // Edge tiles (window start), interior tiles, edge tiles (diagonal, key_lengths, sequence end);
+    // the first tile's copy is in flight.
+    auto walk_keys = [&](auto exact) {
+        int kt = lo, stage = 0;
+        for (; kt < interior_lo; kt += BLOCK_N, stage ^= 1) tile(Flag<true>{}, exact, kt, stage);
+        for (; kt < interior_hi; kt += BLOCK_N, stage ^= 1) tile(Flag<false>{}, exact, kt, stage);
+        for (; kt < hi; kt += BLOCK_N, stage ^= 1) tile(Flag<true>{}, exact, kt, stage);
+        cp_async_wait<0>();
+        __syncthreads();  // every thread's copies into the Q tile have landed (a block with no key tile)
+    };
+    walk_keys(Flag<false>{});
+    // The zero-weight rule: on the tensor cores a weight of 0 times an inf/NaN value (a key hidden
+    // from this row but in a tile with keys other rows see: mask, window, the causal diagonal) is
+    // NaN, and a NaN stays in the accumulator.  So when any of the block's accumulators is NaN the
+    // block walks its keys again with exact products (inputs without inf/NaN never do).
+    float probe = 0.f;
+#pragma unroll
+    for (int nb = 0; nb < kOutBlocks; ++nb) probe += (acc[nb][0] + acc[nb][1]) + (acc[nb][2] + acc[nb][3]);
+    if (__syncthreads_or(probe != probe)) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) row_max[r] = negative_infinity(), row_sum[r] = 0.f;
+        zero(acc);
+        if (lo < hi) stream.load(0, lo);
+        cp_async_commit();
+        walk_keys(Flag<true>{});
+    }
 
     // Normalise into this warp's own rows of the Q tile (no warp reads Q any more), then write out
     // as whole rows, 16 bytes a lane and store (FlashAttention-2 stages O the same way), and lse in

@@ -28,6 +28,10 @@ template <> struct Pack<__half> {
     static __device__ __forceinline__ void mma(float* c, const unsigned int* a, const unsigned int* b) {
         mma_m16n8k16_f16(c, a, b);
     }
+    // Element `index` (0: the low half) of a packed pair.
+    static __device__ __forceinline__ float element(unsigned int pair, int index) {
+        return __half2float(__ushort_as_half(static_cast<unsigned short>(index ? pair >> 16 : pair & 0xffffu)));
+    }
 };
 template <> struct Pack<__nv_bfloat16> {
     static __device__ __forceinline__ unsigned int two(float lo, float hi) {
@@ -36,6 +40,9 @@ template <> struct Pack<__nv_bfloat16> {
     }
     static __device__ __forceinline__ void mma(float* c, const unsigned int* a, const unsigned int* b) {
         mma_m16n8k16_bf16(c, a, b);
+    }
+    static __device__ __forceinline__ float element(unsigned int pair, int index) {
+        return __uint_as_float(index ? pair & 0xffff0000u : pair << 16);
     }
 };
 
@@ -178,6 +185,36 @@ __device__ __forceinline__ void warp_product_registers(float (&c)[N_BLOCKS][4], 
         warp_product_step<Elem, N_BLOCKS>(c, a[ks], b_base + ks * 16 * stride * static_cast<int>(sizeof(Elem)));
 }
 
+// What warp_product_registers computes, c += A B, in SIMT float math with weighted_add's rule (a
+// weight of exactly 0 contributes 0 even against an inf/NaN element of B), where the tensor cores
+// would make 0 x inf = NaN: the slow path of the rare call whose tensor-core result came out NaN.
+// Lane (g, t) = (lane / 4, lane % 4) owns rows g and g + 8 of c and columns 8n + 2t + {0, 1}; row
+// g's weights for keys 2t, 2t + 1, 2t + 8, 2t + 9 of each 16-key step sit in lane 4g + t's A
+// fragment (a0/a2, row g + 8's in a1/a3), whence the shuffles.  B's elements are read one by one.
+template <typename Elem, int K_STEPS, int N_BLOCKS>
+__device__ void exact_product_registers(float (&c)[N_BLOCKS][4], const unsigned int (&a)[K_STEPS][4],
+                                        const Elem* b_rows, int stride, int lane) {
+    const int quad = lane & ~3, column = (lane % 4) * 2;
+#pragma unroll
+    for (int ks = 0; ks < K_STEPS; ++ks) {
+#pragma unroll
+        for (int kk = 0; kk < 16; ++kk) {
+            const int owner = quad + (kk % 8) / 2, reg = kk < 8 ? 0 : 2;
+            const float top = Pack<Elem>::element(__shfl_sync(0xffffffff, a[ks][reg], owner), kk % 2);
+            const float bottom = Pack<Elem>::element(__shfl_sync(0xffffffff, a[ks][reg + 1], owner), kk % 2);
+            const Elem* b_row = b_rows + (ks * 16 + kk) * stride + column;
+#pragma unroll
+            for (int nb = 0; nb < N_BLOCKS; ++nb)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const float value = Convert<Elem>::to_float(b_row[nb * 8 + e]);
+                    c[nb][e] = weighted_add(top, value, c[nb][e]);
+                    c[nb][2 + e] = weighted_add(bottom, value, c[nb][2 + e]);
+                }
+        }
+    }
+}
+
 // Accumulator row r (0: the lane's row lane / 4, 1: that row + 8) of c, times `factor`, into the
 // 16-bit elements dst[8n + (lane % 4) * 2 + {0, 1}] as packed pairs.
 template <typename Elem, int N_BLOCKS>
@@ -201,8 +238,9 @@ template <int N_BLOCKS> __device__ __forceinline__ void zero(float (&c)[N_BLOCKS
 // the lane's two rows (lane / 4 and lane / 4 + 8; the quad's shuffles make them the whole row's),
 // rescale the output accumulator, and pack P = exp2(score - max) as the A fragments of P V.
 // `weigh(nb, prob)` may change key block nb's four probabilities after they entered the row sum
-// (dropout: lse and the normaliser stay undropped).
-template <typename Elem, bool RAW, int KEY_BLOCKS, int OUT_BLOCKS, typename Weigh>
+// (dropout: lse and the normaliser stay undropped).  EXACT: the rescale by weighted_add's rule (a
+// rescale of 0 clears an inf/NaN output; see exact_product_registers).
+template <typename Elem, bool RAW, bool EXACT = false, int KEY_BLOCKS, int OUT_BLOCKS, typename Weigh>
 __device__ __forceinline__ void online_softmax_tile(const float (&s)[KEY_BLOCKS][4], float scale_log2,
                                                     float (&row_max)[2], float (&row_sum)[2],
                                                     float (&acc)[OUT_BLOCKS][4],
@@ -225,12 +263,9 @@ __device__ __forceinline__ void online_softmax_tile(const float (&s)[KEY_BLOCKS]
         row_sum[r] *= alpha[r];
     }
 #pragma unroll
-    for (int nb = 0; nb < OUT_BLOCKS; ++nb) {
-        acc[nb][0] *= alpha[0];
-        acc[nb][1] *= alpha[0];
-        acc[nb][2] *= alpha[1];
-        acc[nb][3] *= alpha[1];
-    }
+    for (int nb = 0; nb < OUT_BLOCKS; ++nb)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[nb][e] = EXACT ? weighted_add(alpha[e / 2], acc[nb][e], 0.f) : acc[nb][e] * alpha[e / 2];
 #pragma unroll
     for (int nb = 0; nb < KEY_BLOCKS; ++nb) {
         float prob[4];
