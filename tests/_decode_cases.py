@@ -6,7 +6,20 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from .conformance._cases import Case
+import numpy as np
+
+import fastattn
+from fastattn._gpu import decode
+
+from .conformance._cases import (
+    FORWARD_TOLERANCE,
+    Case,
+    array_module,
+    bhsd_float64,
+    make_inputs,
+    relative_error,
+    to_host,
+)
 
 
 def decode_case(**changes: Any) -> Case:
@@ -34,3 +47,78 @@ FEATURES: dict[str, dict[str, Any]] = {
     "bshd": {"layout": "bshd", "seq_q": 3},
     "mqa": {"heads_kv": 1, "group": 16, "seq_q": 2},
 }
+
+
+#: (id, case) of the NaN/inf runs: the float32 decode with its lanes splitting a key 1, 2 and 4 ways,
+#: 4 and 8 rows a block; the tensor-core decode (its exact rerun) in both 16-bit types.
+NONFINITE_CASES: list[tuple[str, Case]] = [
+    (f"{dtype}-d{head_dim}-group{group}",
+     decode_case(dtype=dtype, seq_k=300, head_dim=head_dim, head_dim_v=head_dim, group=group, causal=False,
+                 mask_kind="bool", mask_shape=(3, 1, 1, 300), key_lengths=ragged(300)))
+    for dtype, head_dim, group in (("float32", 32, 4), ("float32", 32, 8), ("float32", 64, 8), ("float32", 128, 4),
+                                   ("float32", 256, 4), ("bfloat16", 32, 4), ("bfloat16", 128, 8),
+                                   ("float16", 64, 4), ("float16", 256, 4))
+]  # fmt: skip
+
+
+def assert_decode_matches_the_reference(backend: str, device: str, case: Case, inputs: dict[str, Any]) -> None:
+    """``backend``'s out and lse (inputs moved to ``device``) against the reference on the host
+    inputs: the same NaN/+inf/-inf positions, the finite entries within the forward tolerance."""
+    xp = array_module(device)
+    moved = {name: None if value is None else xp.asarray(value) for name, value in inputs.items()}
+    with np.errstate(all="ignore"):
+        want_out, want_lse = fastattn.attention(
+            inputs["q"], inputs["k"], inputs["v"], backend="reference", return_lse=True, **case.kwargs(inputs)
+        )
+        got_out, got_lse = fastattn.attention(
+            moved["q"], moved["k"], moved["v"], backend=backend, return_lse=True, **case.kwargs(moved)
+        )
+    for name, got, want in (("out", bhsd_float64(got_out, case.layout), bhsd_float64(want_out, case.layout)),
+                            ("lse", to_host(got_lse).astype(np.float64), to_host(want_lse).astype(np.float64))):
+        for kind, test in (("NaN", np.isnan), ("+inf", np.isposinf), ("-inf", np.isneginf)):
+            where = np.argwhere(test(got) != test(want))
+            assert where.size == 0, f"{case}: {name}: {kind} pattern differs from the reference at {where[:5].tolist()}"
+        finite = np.isfinite(want)
+        error = relative_error(got[finite], want[finite])
+        assert error <= FORWARD_TOLERANCE[case.dtype], f"{case}: {name}: finite entries off by {error:.3g}"
+
+
+def nonfinite_inputs(case: Case) -> dict[str, Any]:
+    """The case's host inputs with a KV cache holding NaN/inf: past key_lengths (in a tile with
+    visible keys) and behind the bool mask they must never reach a row; at a few visible keys they
+    must give the reference's NaN/inf pattern (a weight of 0 counts 0)."""
+    inputs = make_inputs(case)
+    rng = np.random.default_rng(case.seed)
+    k, v, mask = inputs["k"], inputs["v"], inputs["mask"]
+    poisons = np.array([np.nan, np.inf, -np.inf])
+    for b, length in enumerate(case.key_lengths or ()):
+        v[b, :, length:] = rng.choice(poisons, v[b, :, length:].shape)
+        k[b, :, length:] = np.nan
+        v[b, :, ~mask[b, 0, 0]] = np.inf
+        visible = np.flatnonzero(mask[b, 0, 0, :length])
+        for key in rng.choice(visible, size=min(2, visible.size), replace=False):
+            v[b, rng.integers(case.heads_kv), key, rng.integers(case.head_dim_v)] = rng.choice(poisons)
+    return inputs
+
+
+#: float32 decode cases for :func:`check_rising_maximum`, at every head_dim, 4 and 8 rows a block.
+RISING_CASES: list[tuple[str, Case]] = [
+    (f"float32-d{head_dim}-group{group}",
+     decode_case(seq_k=300, head_dim=head_dim, head_dim_v=head_dim, group=group, causal=False))
+    for head_dim in decode.HEAD_DIMS
+    for group in (4, 8)
+]  # fmt: skip
+
+
+def rising_inputs(case: Case) -> dict[str, Any]:
+    """The case's host inputs with the first 32 keys (a whole first tile of every warp) scoring ~150
+    below the others for every row of their kv head: the float32 decode's lazy tiles must leave the
+    first tile's shift once the row maxima rise past their slack, or 2^(s - shift) overflows."""
+    inputs = make_inputs(case)
+    rng = np.random.default_rng(case.seed)
+    q, k = inputs["q"], inputs["k"]
+    grouped = q.reshape(case.batch, case.heads_kv, case.group, case.head_dim).sum(axis=2)
+    direction = grouped / np.linalg.norm(grouped, axis=-1, keepdims=True)
+    noise = 0.1 * rng.standard_normal(k[:, :, :32].shape)
+    k[:, :, :32] = (-300.0 * direction[:, :, None, :] + noise).astype(k.dtype)
+    return inputs

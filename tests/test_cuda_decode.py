@@ -19,7 +19,16 @@ import fastattn
 from fastattn import _arrays
 from fastattn._gpu import decode
 
-from ._decode_cases import FEATURES, decode_case, ragged
+from ._decode_cases import (
+    FEATURES,
+    NONFINITE_CASES,
+    RISING_CASES,
+    assert_decode_matches_the_reference,
+    decode_case,
+    nonfinite_inputs,
+    ragged,
+    rising_inputs,
+)
 from ._poison import poisoned_allocator
 from .conformance._cases import Case, bhsd_float64, relative_error
 from .conformance.test_forward import check_forward
@@ -138,3 +147,16 @@ def test_lse_is_natural_log_and_matches_float64(decode_calls) -> None:
     assert np.array_equal(np.isneginf(lse.get()), empty)
     assert relative_error(lse.get()[~empty].astype(np.float64), want_lse.get()[~empty]) <= 1e-5
     assert relative_error(bhsd_float64(out, "bhsd"), want_out.get()) <= 1e-5
+
+
+@pytest.mark.parametrize("case", [entry[1] for entry in NONFINITE_CASES], ids=[entry[0] for entry in NONFINITE_CASES])
+def test_nan_and_inf_in_the_cache_follow_the_reference(case: Case, decode_calls) -> None:
+    """The exact paths on the device: the float32 decode's redo, the tensor-core decode's rerun."""
+    assert_decode_matches_the_reference("cuda", "cuda", case, nonfinite_inputs(case))
+    assert decode_calls, "the decode kernel did not run"
+
+
+@pytest.mark.parametrize("case", [entry[1] for entry in RISING_CASES], ids=[entry[0] for entry in RISING_CASES])
+def test_row_maxima_rising_far_past_the_first_tile(case: Case, decode_calls) -> None:
+    assert_decode_matches_the_reference("cuda", "cuda", case, rising_inputs(case))
+    assert decode_calls, "the decode kernel did not run"

@@ -21,16 +21,23 @@ import random
 from collections.abc import Iterator
 from unittest import mock
 
-import numpy as np
 import pytest
 
-import fastattn
 from fastattn import _arrays
 from fastattn._gpu import decode
 
-from .._decode_cases import FEATURES, decode_case, ragged
+from .._decode_cases import (
+    FEATURES,
+    NONFINITE_CASES,
+    RISING_CASES,
+    assert_decode_matches_the_reference,
+    decode_case,
+    nonfinite_inputs,
+    ragged,
+    rising_inputs,
+)
 from .._poison import poisoned_allocator
-from ..conformance._cases import FORWARD_TOLERANCE, Case, bhsd_float64, make_inputs, relative_error, to_host
+from ..conformance._cases import Case
 from ..conformance.test_forward import check_forward
 
 
@@ -114,78 +121,18 @@ def check_emulated_decode(case: Case, forced: tuple[int, int] | None = None) -> 
             raise AssertionError(f"{case}: {error}") from error
 
 
-#: (id, case) of the NaN/inf runs: the float32 decode with its lanes splitting a key 1, 2 and 4 ways,
-#: 4 and 8 rows a block; the tensor-core decode (its exact rerun) in both 16-bit types.
-NONFINITE_CASES: list[tuple[str, Case]] = [
-    (f"{dtype}-d{head_dim}-group{group}",
-     decode_case(dtype=dtype, seq_k=300, head_dim=head_dim, head_dim_v=head_dim, group=group, causal=False,
-                 mask_kind="bool", mask_shape=(3, 1, 1, 300), key_lengths=ragged(300)))
-    for dtype, head_dim, group in (("float32", 32, 4), ("float32", 32, 8), ("float32", 64, 8), ("float32", 128, 4),
-                                   ("float32", 256, 4), ("bfloat16", 32, 4), ("bfloat16", 128, 8),
-                                   ("float16", 64, 4), ("float16", 256, 4))
-]  # fmt: skip
-
-
-def _assert_decode_matches_the_reference(case: Case, q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: object,
-                                         key_lengths: object) -> None:
-    """The emulated decode's out and lse against the reference on these inputs: the same NaN/+inf/-inf
-    positions, the finite entries within the forward tolerance."""
-    kwargs = case.kwargs({"mask": mask, "key_lengths": key_lengths})
-    with np.errstate(all="ignore"):
-        want_out, want_lse = fastattn.attention(q, k, v, backend="reference", return_lse=True, **kwargs)
-        with _decode_runs(case):
-            got_out, got_lse = fastattn.attention(q, k, v, backend="cuda-emulated", return_lse=True, **kwargs)
-    for name, got, want in (("out", bhsd_float64(got_out, case.layout), bhsd_float64(want_out, case.layout)),
-                            ("lse", to_host(got_lse).astype(np.float64), to_host(want_lse).astype(np.float64))):
-        for kind, test in (("NaN", np.isnan), ("+inf", np.isposinf), ("-inf", np.isneginf)):
-            where = np.argwhere(test(got) != test(want))
-            assert where.size == 0, f"{case}: {name}: {kind} pattern differs from the reference at {where[:5].tolist()}"
-        finite = np.isfinite(want)
-        error = relative_error(got[finite], want[finite])
-        assert error <= FORWARD_TOLERANCE[case.dtype], f"{case}: {name}: finite entries off by {error:.3g}"
-
-
 def check_nonfinite_decode(case: Case) -> None:
-    """A KV cache holding NaN/inf: past key_lengths (in a tile with visible keys) and behind the bool
-    mask they must never reach a row; at a few visible keys they must give the reference's NaN/inf
-    pattern (a weight of 0 counts 0)."""
+    """:func:`nonfinite_inputs` on the emulated decode, fresh seed, poisoned results."""
     case = dataclasses.replace(case, seed=random.randrange(2**32))
-    inputs = make_inputs(case)
-    rng = np.random.default_rng(case.seed)
-    k, v, mask = to_host(inputs["k"]).copy(), to_host(inputs["v"]).copy(), to_host(inputs["mask"])
-    poisons = np.array([np.nan, np.inf, -np.inf])
-    for b, length in enumerate(case.key_lengths or ()):
-        v[b, :, length:] = rng.choice(poisons, v[b, :, length:].shape)
-        k[b, :, length:] = np.nan
-        v[b, :, ~mask[b, 0, 0]] = np.inf
-        visible = np.flatnonzero(mask[b, 0, 0, :length])
-        for key in rng.choice(visible, size=min(2, visible.size), replace=False):
-            v[b, rng.integers(case.heads_kv), key, rng.integers(case.head_dim_v)] = rng.choice(poisons)
-    _assert_decode_matches_the_reference(case, inputs["q"], k, v, inputs["mask"], inputs["key_lengths"])
-
-
-#: float32 decode cases for :func:`check_rising_maximum`, at every head_dim, 4 and 8 rows a block.
-RISING_CASES: list[tuple[str, Case]] = [
-    (f"float32-d{head_dim}-group{group}",
-     decode_case(seq_k=300, head_dim=head_dim, head_dim_v=head_dim, group=group, causal=False))
-    for head_dim in decode.HEAD_DIMS
-    for group in (4, 8)
-]  # fmt: skip
+    with _decode_runs(case):
+        assert_decode_matches_the_reference("cuda-emulated", "cpu", case, nonfinite_inputs(case))
 
 
 def check_rising_maximum(case: Case) -> None:
-    """The first 32 keys (a whole first tile of every warp) score ~150 below the others for every
-    row of their kv head: the float32 decode's lazy tiles must leave the first tile's shift once the
-    row maxima rise past their slack, or 2^(s - shift) overflows."""
+    """:func:`rising_inputs` on the emulated decode, fresh seed, poisoned results."""
     case = dataclasses.replace(case, seed=random.randrange(2**32))
-    inputs = make_inputs(case)
-    rng = np.random.default_rng(case.seed)
-    q, k = to_host(inputs["q"]), to_host(inputs["k"]).copy()
-    grouped = q.reshape(case.batch, case.heads_kv, case.group, case.head_dim).sum(axis=2)
-    direction = grouped / np.linalg.norm(grouped, axis=-1, keepdims=True)
-    noise = 0.1 * rng.standard_normal(k[:, :, :32].shape)
-    k[:, :, :32] = (-300.0 * direction[:, :, None, :] + noise).astype(k.dtype)
-    _assert_decode_matches_the_reference(case, q, k, inputs["v"], None, None)
+    with _decode_runs(case):
+        assert_decode_matches_the_reference("cuda-emulated", "cpu", case, rising_inputs(case))
 
 
 @pytest.mark.parametrize(("case", "forced"), [entry[1:] for entry in CASES], ids=[entry[0] for entry in CASES])
