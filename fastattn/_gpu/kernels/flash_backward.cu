@@ -289,7 +289,7 @@ __global__ void __launch_bounds__(kBwdWarps * 32, 1) flash_backward_kv(const __g
     if constexpr (DROPOUT) {
         for (; item < items; ++item, stage ^= 1) step(Flag<true>{}, item, stage);
     } else {
-        for (int g = 0; g < group && items > 0; ++g) {
+        for (int g = 0; g < group; ++g) {
             const int first = g * tiles;
             for (; item < first + interior_lo; ++item, stage ^= 1) step(Flag<true>{}, item, stage);
             for (; item < first + interior_hi; ++item, stage ^= 1) step(Flag<false>{}, item, stage);
