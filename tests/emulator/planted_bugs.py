@@ -111,14 +111,8 @@ BUGS = [
         "store_floats(warp_p + key * ROWS + part * kLaneRows, prob);\n        if (!update",
     ),
     Bug(
-        "tensor-core forward: no exact rerun when a block's output came out NaN (0 x inf on the tensor cores)",
-        "flash_forward.cu",
-        "if (__syncthreads_or(probe != probe)) {",
-        "if (__syncthreads_or(false)) {",
-    ),
-    Bug(
-        "tensor-core decode: no exact rerun when a block's output came out NaN (0 x inf on the tensor cores)",
-        "flash_decode.cu",
+        "tensor-core forward and decode: no exact rerun when a block's output came out NaN (0 x inf on mma.sync)",
+        "mma_tiles.cuh",
         "if (__syncthreads_or(probe != probe)) {",
         "if (__syncthreads_or(false)) {",
     ),

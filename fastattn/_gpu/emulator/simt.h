@@ -426,24 +426,11 @@ inline void check_full_mask(unsigned int mask, const char* what) {
     if (mask != 0xffffffffu) fail(std::string(what) + ": only the full-warp mask is emulated");
 }
 
-template <typename T> T shfl_xor(unsigned int mask, T value, int lane_mask, int width) {
-    static_assert(sizeof(T) <= 8, "__shfl_xor_sync of a value wider than 8 bytes");
-    check_full_mask(mask, "__shfl_xor_sync");
-    if (width != kWarpSize) fail("__shfl_xor_sync: only width 32 is emulated");
-    Thread& thread = this_thread();
-    WarpSlots& slots = warp_slots();
-    std::memcpy(slots.words[thread.lane], &value, sizeof(T));
-    warp_barrier();
-    T result;
-    std::memcpy(&result, slots.words[thread.lane ^ (lane_mask & (kWarpSize - 1))], sizeof(T));
-    warp_barrier();  // every lane has read before the slots are written again
-    return result;
-}
-
-template <typename T> T shfl_index(unsigned int mask, T value, int source, int width) {
-    static_assert(sizeof(T) <= 8, "__shfl_sync of a value wider than 8 bytes");
-    check_full_mask(mask, "__shfl_sync");
-    if (width != kWarpSize) fail("__shfl_sync: only width 32 is emulated");
+// A shuffle: every lane gives `value` and receives lane source's (`what` names the intrinsic).
+template <typename T> T warp_shuffle(unsigned int mask, T value, int source, int width, const char* what) {
+    static_assert(sizeof(T) <= 8, "a shuffle of a value wider than 8 bytes");
+    check_full_mask(mask, what);
+    if (width != kWarpSize) fail(std::string(what) + ": only width 32 is emulated");
     Thread& thread = this_thread();
     WarpSlots& slots = warp_slots();
     std::memcpy(slots.words[thread.lane], &value, sizeof(T));
@@ -601,11 +588,11 @@ inline void cp_async_wait(int in_flight) {
 inline void __syncthreads() { fastattn_emu::block_barrier(); }
 
 template <typename T> inline T __shfl_xor_sync(unsigned int mask, T value, int lane_mask, int width = 32) {
-    return fastattn_emu::shfl_xor(mask, value, lane_mask, width);
+    return fastattn_emu::warp_shuffle(mask, value, fastattn_emu::this_thread().lane ^ lane_mask, width, "__shfl_xor_sync");
 }
 
 template <typename T> inline T __shfl_sync(unsigned int mask, T value, int source, int width = 32) {
-    return fastattn_emu::shfl_index(mask, value, source, width);
+    return fastattn_emu::warp_shuffle(mask, value, source, width, "__shfl_sync");
 }
 inline int __syncthreads_or(int predicate) { return fastattn_emu::block_vote_any(predicate != 0); }
 inline int __any_sync(unsigned int mask, int predicate) { return fastattn_emu::vote_any(mask, predicate != 0); }

@@ -199,32 +199,9 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) flash_decode(const __grid_c
         __syncthreads();  // this stage is overwritten by the prefetch of the tile after next
     };
 
-    // Edge tiles (window start), interior tiles, edge tiles (diagonal, key_lengths, split end); the
-    // first tile's copy is in flight.
-    auto walk_keys = [&](auto exact) {
-        int kt = lo, stage = 0;
-        for (; kt < interior_lo; kt += kBlockN, stage ^= 1) tile(Flag<true>{}, exact, kt, stage);
-        for (; kt < interior_hi; kt += kBlockN, stage ^= 1) tile(Flag<false>{}, exact, kt, stage);
-        for (; kt < hi; kt += kBlockN, stage ^= 1) tile(Flag<true>{}, exact, kt, stage);
-        cp_async_wait<0>();
-        __syncthreads();  // the stages become the merge buffer
-    };
-    walk_keys(Flag<false>{});
-    // The zero-weight rule: on the tensor cores a weight of 0 times an inf/NaN value (a key hidden
-    // from this row but not from others of the tile: mask, window) is NaN, and a NaN stays in the
-    // accumulator.  So when any of the block's accumulators is NaN the block walks its keys again
-    // with exact products (a cache without inf/NaN never does; a NaN the rule keeps comes out again).
-    float probe = 0.f;
-#pragma unroll
-    for (int nb = 0; nb < kOutBlocks; ++nb) probe += (acc[nb][0] + acc[nb][1]) + (acc[nb][2] + acc[nb][3]);
-    if (__syncthreads_or(probe != probe)) {
-#pragma unroll
-        for (int r = 0; r < 2; ++r) row_max[r] = negative_infinity(), row_sum[r] = 0.f;
-        zero(acc);
-        if (lo < hi) stream.load(0, lo);
-        cp_async_commit();
-        walk_keys(Flag<true>{});
-    }
+    // Edge tiles (window start), interior tiles, edge tiles (diagonal, key_lengths, split end); then
+    // the stages become the merge buffer.
+    walk_keys_under_zero_weight_rule<kBlockN>(stream, lo, interior_lo, interior_hi, hi, row_max, row_sum, acc, tile);
 
     // Each warp's rows: statistics (row sums over the quad) and its unnormalised output.
 #pragma unroll

@@ -102,31 +102,8 @@ __global__ void __launch_bounds__(kWarps * 32, 2) flash_forward(const __grid_con
     };
 
     // Edge tiles (window start), interior tiles, edge tiles (diagonal, key_lengths, sequence end);
-    // the first tile's copy is in flight.
-    auto walk_keys = [&](auto exact) {
-        int kt = lo, stage = 0;
-        for (; kt < interior_lo; kt += BLOCK_N, stage ^= 1) tile(Flag<true>{}, exact, kt, stage);
-        for (; kt < interior_hi; kt += BLOCK_N, stage ^= 1) tile(Flag<false>{}, exact, kt, stage);
-        for (; kt < hi; kt += BLOCK_N, stage ^= 1) tile(Flag<true>{}, exact, kt, stage);
-        cp_async_wait<0>();
-        __syncthreads();  // every thread's copies into the Q tile have landed (a block with no key tile)
-    };
-    walk_keys(Flag<false>{});
-    // The zero-weight rule: on the tensor cores a weight of 0 times an inf/NaN value (a key hidden
-    // from this row but in a tile with keys other rows see: mask, window, the causal diagonal) is
-    // NaN, and a NaN stays in the accumulator.  So when any of the block's accumulators is NaN the
-    // block walks its keys again with exact products (inputs without inf/NaN never do).
-    float probe = 0.f;
-#pragma unroll
-    for (int nb = 0; nb < kOutBlocks; ++nb) probe += (acc[nb][0] + acc[nb][1]) + (acc[nb][2] + acc[nb][3]);
-    if (__syncthreads_or(probe != probe)) {
-#pragma unroll
-        for (int r = 0; r < 2; ++r) row_max[r] = negative_infinity(), row_sum[r] = 0.f;
-        zero(acc);
-        if (lo < hi) stream.load(0, lo);
-        cp_async_commit();
-        walk_keys(Flag<true>{});
-    }
+    // then every thread's copies into the Q tile have landed (also in a block with no key tile).
+    walk_keys_under_zero_weight_rule<BLOCK_N>(stream, lo, interior_lo, interior_hi, hi, row_max, row_sum, acc, tile);
 
     // Normalise into this warp's own rows of the Q tile (no warp reads Q any more), then write out
     // as whole rows, 16 bytes a lane and store (FlashAttention-2 stages O the same way), and lse in

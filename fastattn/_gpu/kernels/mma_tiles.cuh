@@ -281,6 +281,42 @@ __device__ __forceinline__ void online_softmax_tile(const float (&s)[KEY_BLOCKS]
     }
 }
 
+// The key walk of the tensor-core forward and decode, under the zero-weight rule: tiles [lo, hi) of
+// BLOCK_N keys, masked (edge) tiles before interior_lo and from interior_hi, each run as
+// `tile(masked, exact, kt, stage)` (Flag arguments), the first tile's copy already in flight; at the
+// end the stream's copies have landed and the block is synchronised.  On the tensor cores a weight
+// of 0 times an inf/NaN value (a key hidden from a row but in a tile with keys other rows see:
+// mask, window, the causal diagonal) is NaN, and a NaN stays in the accumulator: so when any
+// accumulator of the block is NaN after the walk, the online softmax starts over and the block
+// walks its keys again with exact products (inputs without inf/NaN never do; a NaN the rule
+// keeps comes out again).
+template <int BLOCK_N, int OUT_BLOCKS, typename Stream, typename Tile>
+__device__ __forceinline__ void walk_keys_under_zero_weight_rule(const Stream& stream, int lo, int interior_lo,
+                                                                 int interior_hi, int hi, float (&row_max)[2],
+                                                                 float (&row_sum)[2], float (&acc)[OUT_BLOCKS][4],
+                                                                 Tile tile) {
+    auto walk = [&](auto exact) {
+        int kt = lo, stage = 0;
+        for (; kt < interior_lo; kt += BLOCK_N, stage ^= 1) tile(Flag<true>{}, exact, kt, stage);
+        for (; kt < interior_hi; kt += BLOCK_N, stage ^= 1) tile(Flag<false>{}, exact, kt, stage);
+        for (; kt < hi; kt += BLOCK_N, stage ^= 1) tile(Flag<true>{}, exact, kt, stage);
+        cp_async_wait<0>();
+        __syncthreads();
+    };
+    walk(Flag<false>{});
+    float probe = 0.f;
+#pragma unroll
+    for (int nb = 0; nb < OUT_BLOCKS; ++nb) probe += (acc[nb][0] + acc[nb][1]) + (acc[nb][2] + acc[nb][3]);
+    if (__syncthreads_or(probe != probe)) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) row_max[r] = negative_infinity(), row_sum[r] = 0.f;
+        zero(acc);
+        if (lo < hi) stream.load(0, lo);
+        cp_async_commit();
+        walk(Flag<true>{});
+    }
+}
+
 // The contract's scores for one call: scale and softcap, then Visibility's causal/window/
 // key_lengths/mask rule; rows at or past seq_q are hidden too (tiles overhang the sequence).
 struct ScoreRule {
