@@ -119,8 +119,8 @@ BUGS = [
     Bug(
         "tensor-core exact product: row g + 8's weights read from row g's register",
         "mma_tiles.cuh",
-        "Pack<Elem>::element(__shfl_sync(0xffffffff, a[ks][reg + 1], owner), kk % 2);",
-        "Pack<Elem>::element(__shfl_sync(0xffffffff, a[ks][reg], owner), kk % 2);",
+        "Pack<Elem>::element(__shfl_sync(0xffffffff, a[ks][reg + 1], owner), k8 % 2);",
+        "Pack<Elem>::element(__shfl_sync(0xffffffff, a[ks][reg], owner), k8 % 2);",
     ),
     Bug(
         "tensor-core backward: dS^T read before every warp has written it (no __syncthreads)",

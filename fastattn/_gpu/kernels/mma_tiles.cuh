@@ -191,6 +191,8 @@ __device__ __forceinline__ void warp_product_registers(float (&c)[N_BLOCKS][4], 
 // Lane (g, t) = (lane / 4, lane % 4) owns rows g and g + 8 of c and columns 8n + 2t + {0, 1}; row
 // g's weights for keys 2t, 2t + 1, 2t + 8, 2t + 9 of each 16-key step sit in lane 4g + t's A
 // fragment (a0/a2, row g + 8's in a1/a3), whence the shuffles.  B's elements are read one by one.
+// A cold path: the loop over a half step's 8 keys stays a loop (unrolled, it made the kernels'
+// code several times larger, and their compile time with it).
 template <typename Elem, int K_STEPS, int N_BLOCKS>
 __device__ void exact_product_registers(float (&c)[N_BLOCKS][4], const unsigned int (&a)[K_STEPS][4],
                                         const Elem* b_rows, int stride, int lane) {
@@ -198,19 +200,22 @@ __device__ void exact_product_registers(float (&c)[N_BLOCKS][4], const unsigned 
 #pragma unroll
     for (int ks = 0; ks < K_STEPS; ++ks) {
 #pragma unroll
-        for (int kk = 0; kk < 16; ++kk) {
-            const int owner = quad + (kk % 8) / 2, reg = kk < 8 ? 0 : 2;
-            const float top = Pack<Elem>::element(__shfl_sync(0xffffffff, a[ks][reg], owner), kk % 2);
-            const float bottom = Pack<Elem>::element(__shfl_sync(0xffffffff, a[ks][reg + 1], owner), kk % 2);
-            const Elem* b_row = b_rows + (ks * 16 + kk) * stride + column;
+        for (int reg = 0; reg < 4; reg += 2) {  // keys 0-7 of the step in a0/a1, keys 8-15 in a2/a3
+#pragma unroll 1
+            for (int k8 = 0; k8 < 8; ++k8) {
+                const int owner = quad + k8 / 2, kk = reg * 4 + k8;
+                const float top = Pack<Elem>::element(__shfl_sync(0xffffffff, a[ks][reg], owner), k8 % 2);
+                const float bottom = Pack<Elem>::element(__shfl_sync(0xffffffff, a[ks][reg + 1], owner), k8 % 2);
+                const Elem* b_row = b_rows + (ks * 16 + kk) * stride + column;
 #pragma unroll
-            for (int nb = 0; nb < N_BLOCKS; ++nb)
+                for (int nb = 0; nb < N_BLOCKS; ++nb)
 #pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const float value = Convert<Elem>::to_float(b_row[nb * 8 + e]);
-                    c[nb][e] = weighted_add(top, value, c[nb][e]);
-                    c[nb][2 + e] = weighted_add(bottom, value, c[nb][2 + e]);
-                }
+                    for (int e = 0; e < 2; ++e) {
+                        const float value = Convert<Elem>::to_float(b_row[nb * 8 + e]);
+                        c[nb][e] = weighted_add(top, value, c[nb][e]);
+                        c[nb][2 + e] = weighted_add(bottom, value, c[nb][2 + e]);
+                    }
+            }
         }
     }
 }
