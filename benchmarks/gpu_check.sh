@@ -1,34 +1,58 @@
 #!/usr/bin/env bash
-# What a GPU session runs first (issue #19), one step per call, each under 9 minutes on an H100;
-# everything a step prints and writes lands in benchmarks/results/gpu-check-<date>/ (commit it).
-#   benchmarks/gpu_check.sh tests      install; the GPU tests and the conformance suite on cuda; the
-#                                      cuda backend against cuda-emulated on the same inputs
-#   benchmarks/gpu_check.sh sanitize   compute-sanitizer memcheck and racecheck (sanitize_gpu.sh)
-#   benchmarks/gpu_check.sh bench      bench_gpu.py: forward, forward+backward, decode, float32, torch
-set -euo pipefail
+# What a GPU session runs first (issue #19); steps run in the order given, e.g.
+#   benchmarks/gpu_check.sh install compile tests bench emulated sanitize
+# Everything a step prints and writes lands in benchmarks/results/gpu-check-<date>/ (commit it).
+#   install    pip install --no-build-isolation --no-deps -e . (the device image has the dependencies
+#              but array-api-compat: carry its wheel, see /work/.library/device/README.md)
+#   compile    every kernel instance through NVRTC on all cores (gpu_compile_all.py): fills CuPy's
+#              kernel cache for the later steps; registers and spills per instance
+#   tests      the GPU tests and the conformance suite on cuda
+#   emulated   the cuda backend against cuda-emulated on the same inputs (gpu_emulated_vs_real.py)
+#   sanitize   compute-sanitizer memcheck and racecheck (sanitize_gpu.sh)
+#   bench      bench_gpu.py: forward, forward+backward, decode, float32, torch ($BENCH_GPU_ARGS are
+#              passed on, e.g. BENCH_GPU_ARGS="--repeats 10 --profile-calls 5")
+# A step that fails is reported and the next one still runs; the exit status is the last failure's.
+set -uo pipefail
 cd "$(dirname "$0")/.."
-step="${1:-}"
+python="${PYTHON:-python3}"
 out="benchmarks/results/gpu-check-$(date +%F)"
 mkdir -p "$out"
 nvidia-smi >"$out/nvidia-smi.txt" 2>&1 || true
-case "$step" in
-    tests)
-        pip install --no-build-isolation --no-deps -e . >"$out/install.log" 2>&1
-        status=0
-        python -m pytest -q -p no:cacheprovider tests/test_cuda_backend.py tests/test_cuda_decode.py \
-            tests/test_cuda_fp32.py tests/nn/test_cuda.py tests/test_torch_adapter.py \
-            tests/conformance -k "cuda and not emulated" 2>&1 | tee "$out/tests.log" || status=$?
-        python benchmarks/gpu_emulated_vs_real.py 2>&1 | tee "$out/emulated-vs-real.log" || status=$?
-        exit "$status"
-        ;;
-    sanitize)
-        bash benchmarks/sanitize_gpu.sh 2>&1 | tee "$out/sanitize.log"
-        ;;
-    bench)
-        python benchmarks/bench_gpu.py --json "$out/bench-gpu.json" 2>&1 | tee "$out/bench.log"
-        ;;
-    *)
-        echo "usage: benchmarks/gpu_check.sh {tests|sanitize|bench}" >&2
-        exit 2
-        ;;
-esac
+if [ "$#" -eq 0 ]; then
+    echo "usage: benchmarks/gpu_check.sh {install|compile|tests|emulated|sanitize|bench}..." >&2
+    exit 2
+fi
+status=0
+for step in "$@"; do
+    started=$(date +%s)
+    case "$step" in
+        install)
+            "$python" -m pip install --no-build-isolation --no-deps -e . >"$out/install.log" 2>&1
+            ;;
+        compile)
+            "$python" benchmarks/gpu_compile_all.py --json "$out/compile.json" 2>&1 | tee "$out/compile.log"
+            ;;
+        tests)
+            "$python" -m pytest -q -p no:cacheprovider --durations=20 tests/test_cuda_backend.py \
+                tests/test_cuda_decode.py tests/test_cuda_fp32.py tests/nn/test_cuda.py tests/test_torch_adapter.py \
+                tests/conformance -k "cuda and not emulated" 2>&1 | tee "$out/tests.log"
+            ;;
+        emulated)
+            "$python" benchmarks/gpu_emulated_vs_real.py 2>&1 | tee "$out/emulated-vs-real.log"
+            ;;
+        sanitize)
+            PYTHON="$python" bash benchmarks/sanitize_gpu.sh 2>&1 | tee "$out/sanitize.log"
+            ;;
+        bench)
+            "$python" benchmarks/bench_gpu.py --json "$out/bench-gpu.json" ${BENCH_GPU_ARGS:-} 2>&1 | tee "$out/bench.log"
+            ;;
+        *)
+            echo "unknown step $step: expected install, compile, tests, emulated, sanitize or bench" >&2
+            false
+            ;;
+    esac
+    result=$?
+    echo "gpu_check: $step exit $result after $(( $(date +%s) - started )) s" | tee -a "$out/steps.log"
+    [ "$result" -eq 0 ] || status=$result
+done
+exit "$status"

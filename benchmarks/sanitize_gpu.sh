@@ -16,7 +16,7 @@ for tool in memcheck racecheck; do
     extra=()
     if [ "$tool" = memcheck ]; then extra=(--leak-check full); fi
     echo "+ compute-sanitizer --tool $tool ${extra[*]} python benchmarks/sanitize_cases.py" | tee -a "$summary"
-    compute-sanitizer --tool "$tool" "${extra[@]}" --error-exitcode 99 python benchmarks/sanitize_cases.py >"$log" 2>&1 || status=$?
+    compute-sanitizer --tool "$tool" "${extra[@]}" --error-exitcode 99 "${PYTHON:-python3}" benchmarks/sanitize_cases.py >"$log" 2>&1 || status=$?
     grep -E "^[a-z0-9-]+: ok$|ERROR SUMMARY|RACECHECK SUMMARY" "$log" | tee -a "$summary" || true
 done
 echo "exit status: $status" | tee -a "$summary"

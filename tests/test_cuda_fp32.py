@@ -16,7 +16,7 @@ import pytest
 
 import fastattn
 from fastattn import _arrays
-from fastattn._gpu import fp32
+from fastattn._gpu import _launch, fp32
 
 from ._poison import poisoned_allocator
 from .conformance import _oracle
@@ -38,16 +38,21 @@ def poisoned_outputs(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture
 def fp32_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """Names of the fp32 launchers called ("forward", "backward")."""
+    """What the fp32 kernels (``flash_fp32.cu``) ran, one entry a launcher: "forward" or "backward".
+
+    Recorded where every launcher fetches its compiled kernels (``_launch.compiled``), since the
+    kernel table holds the launchers themselves and a patched module attribute would go unseen."""
     calls: list[str] = []
-    for name in ("forward", "backward"):
-        original = getattr(fp32, name)
+    original = _launch.compiled
 
-        def recording(*args, original=original, name=name):
-            calls.append(name)
-            return original(*args)
+    def recording(source: str, name: str, shared_bytes: int) -> Any:
+        if source == fp32.SOURCE:
+            direction = "forward" if "fp32_forward" in name else "backward"
+            if not calls or calls[-1] != direction:  # a backward launches three kernels
+                calls.append(direction)
+        return original(source, name, shared_bytes)
 
-        monkeypatch.setattr(fp32, name, recording)
+    monkeypatch.setattr(_launch, "compiled", recording)
     return calls
 
 

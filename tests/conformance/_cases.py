@@ -152,6 +152,16 @@ def to_host(array: Any) -> np.ndarray:
     return np.array(array, copy=True)
 
 
+def to_device(value: Any, device: str) -> Any:
+    """``value`` on ``device``: a numpy array copied there, a dict's numpy values likewise (call
+    options such as ``mask`` and ``key_lengths``), anything else as it is."""
+    if isinstance(value, dict):
+        return {name: to_device(item, device) for name, item in value.items()}
+    if isinstance(value, np.ndarray):
+        return array_module(device).asarray(value)
+    return value
+
+
 def _array(rng: np.random.Generator, shape_bhsd: tuple[int, ...], case: Case, device: str) -> Any:
     """Random values in the case's dtype and layout, as the case's kind of (non-)contiguous view."""
     xp = array_module(device)

@@ -16,6 +16,8 @@ import pytest
 import fastattn
 from fastattn import _dropout
 
+from ._cases import to_device, to_host
+
 
 def _skip_if_declined(backend: str, q, k, v, **options) -> None:
     explanation = fastattn.explain(q, k, v, **options)
@@ -31,7 +33,7 @@ def _skip_if_declined(backend: str, q, k, v, **options) -> None:
     ids=["decode", "gqa-few-rows", "tiles", "odd"],
 )
 @pytest.mark.parametrize("options", [{}, {"causal": "bottom_right"}, {"window": (3, 7), "key_lengths": [60, 9]}])
-def test_mask_is_the_references_element_by_element(backend: str, dtype, shape, options) -> None:
+def test_mask_is_the_references_element_by_element(backend: str, device: str, dtype, shape, options) -> None:
     batch, heads_q, heads_kv, seq_q, seq_k = shape
     rng = np.random.default_rng()
     options = dict(options)
@@ -42,8 +44,9 @@ def test_mask_is_the_references_element_by_element(backend: str, dtype, shape, o
     v = np.broadcast_to(np.eye(seq_k, dtype=dtype), (batch, heads_kv, seq_k, seq_k)).copy()
     seed, offset = int(rng.integers(2**64, dtype=np.uint64)), int(rng.integers(2**32))
     drop = {"dropout_p": 0.4, "dropout_seed": seed, "dropout_offset": offset}
-    _skip_if_declined(backend, q, k, v, **options, **drop)
-    got = fastattn.attention(q, k, v, backend=backend, **options, **drop)
+    on_device = [to_device(value, device) for value in (q, k, v, options)]
+    _skip_if_declined(backend, *on_device[:3], **on_device[3], **drop)
+    got = to_host(fastattn.attention(*on_device[:3], backend=backend, **on_device[3], **drop))
     want = fastattn.attention(q, k, v, backend="reference", **options, **drop)
     assert np.array_equal(got == 0, want == 0), f"dropped elements differ (seed {seed}, offset {offset})"
     np.testing.assert_allclose(got, want, rtol=1e-5 if dtype == np.float32 else 1e-12, atol=1e-7)
@@ -53,7 +56,7 @@ def test_mask_is_the_references_element_by_element(backend: str, dtype, shape, o
 
 
 @pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
-def test_keep_rate_and_scale(backend: str, p: float) -> None:
+def test_keep_rate_and_scale(backend: str, device: str, p: float) -> None:
     """Uniform probabilities (q = 0) on V = identity: each output entry is 0 or 1 / ((1-p) Sk),
     and the kept fraction lies within 5 binomial standard deviations of 1 - p."""
     batch, heads, seq_q, seq_k = 4, 4, 128, 64
@@ -61,8 +64,9 @@ def test_keep_rate_and_scale(backend: str, p: float) -> None:
     k = np.random.default_rng().standard_normal((batch, heads, seq_k, 16)).astype(np.float32)
     v = np.broadcast_to(np.eye(seq_k, dtype=np.float32), (batch, heads, seq_k, seq_k)).copy()
     options = {"dropout_p": p, "dropout_seed": int(np.random.default_rng().integers(2**63))}
+    q, k, v = (to_device(value, device) for value in (q, k, v))
     _skip_if_declined(backend, q, k, v, **options)
-    out = fastattn.attention(q, k, v, backend=backend, **options)
+    out = to_host(fastattn.attention(q, k, v, backend=backend, **options))
     kept = out != 0
     np.testing.assert_allclose(out[kept], 1 / ((1 - p) * seq_k), rtol=1e-6)
     trials = out.size
@@ -114,7 +118,7 @@ def test_backward_matches_finite_differences_with_a_fixed_mask(backend: str, opt
 
 
 @pytest.mark.parametrize("options", [{"causal": "bottom_right"}, {"window": (6, 2), "softcap": 3.0}])
-def test_float32_backward_matches_the_reference_under_the_same_mask(backend: str, options) -> None:
+def test_float32_backward_matches_the_reference_under_the_same_mask(backend: str, device: str, options) -> None:
     """The finite-difference test above runs in float64, which GPU kernels decline: here float32
     gradients (GQA, tiles of several rows and keys) against the float64 reference, same seed."""
     rng = np.random.default_rng()
@@ -122,13 +126,12 @@ def test_float32_backward_matches_the_reference_under_the_same_mask(backend: str
     k, v = (rng.standard_normal((2, 2, 45, 24)).astype(np.float32) for _ in range(2))
     dout = rng.standard_normal(q.shape).astype(np.float32)
     drop = {"dropout_p": 0.3, "dropout_seed": int(rng.integers(2**63)), "dropout_offset": int(rng.integers(2**32))}
-    _skip_if_declined(backend, q, k, v, **options, **drop)
     wide = [x.astype(np.float64) for x in (q, k, v)]
     out, lse = fastattn.attention(*wide, backend="reference", return_lse=True, **options, **drop)
     want = fastattn.attention_backward(dout.astype(np.float64), *wide, out, lse, backend="reference", **options, **drop)
-    got = fastattn.attention_backward(
-        dout, q, k, v, out.astype(np.float32), lse.astype(np.float32), backend=backend, **options, **drop
-    )
+    arguments = [to_device(x, device) for x in (dout, q, k, v, out.astype(np.float32), lse.astype(np.float32))]
+    _skip_if_declined(backend, *arguments[1:4], **options, **drop)
+    got = [to_host(grad) for grad in fastattn.attention_backward(*arguments, backend=backend, **options, **drop)]
     for grad, expected, name in zip(got, want, "qkv"):
         error = np.linalg.norm(grad.astype(np.float64) - expected) / np.linalg.norm(expected)
         assert error <= 1e-4, f"d{name}: {error:.3g} (seed {drop['dropout_seed']})"
@@ -159,7 +162,7 @@ def test_philox_known_answers() -> None:
 
 
 @pytest.mark.parametrize("options", [{}, {"causal": "bottom_right"}, {"window": (20, 3)}])
-def test_bfloat16_tile_shapes_drop_the_references_elements(backend: str, options) -> None:
+def test_bfloat16_tile_shapes_drop_the_references_elements(backend: str, device: str, options) -> None:
     """bfloat16 at shapes the matrix-tile kernels take (head dim 32, value dim 64, 80 query rows a
     kv head): the same elements dropped as the reference's, kept ones within bfloat16 rounding."""
     bfloat16 = ml_dtypes.bfloat16
@@ -170,8 +173,9 @@ def test_bfloat16_tile_shapes_drop_the_references_elements(backend: str, options
     v = np.broadcast_to(np.eye(seq_k, dtype=bfloat16), (batch, heads_kv, seq_k, seq_k)).copy()
     seed, offset = int(rng.integers(2**64, dtype=np.uint64)), int(rng.integers(2**32))
     drop = {"dropout_p": 0.3, "dropout_seed": seed, "dropout_offset": offset}
-    _skip_if_declined(backend, q, k, v, **options, **drop)
-    got = fastattn.attention(q, k, v, backend=backend, **options, **drop).astype(np.float64)
+    on_device = [to_device(value, device) for value in (q, k, v)]
+    _skip_if_declined(backend, *on_device, **options, **drop)
+    got = to_host(fastattn.attention(*on_device, backend=backend, **options, **drop)).astype(np.float64)
     want = fastattn.attention(q, k, v, backend="reference", **options, **drop).astype(np.float64)
     assert np.array_equal(got == 0, want == 0), f"dropped elements differ (seed {seed}, offset {offset})"
     np.testing.assert_allclose(got, want, rtol=2e-2, atol=1e-6)

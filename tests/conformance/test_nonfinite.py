@@ -18,19 +18,19 @@ from hypothesis import strategies as st
 
 import fastattn
 
-from ._cases import Case, bhsd_float64, cases, dout_like, make_inputs, to_host
+from ._cases import Case, array_module, bhsd_float64, cases, dout_like, make_inputs, to_host
 
 _POISONS = (np.nan, np.inf, -np.inf)
 _TOLERANCE = {"float64": 1e-9, "float32": 1e-4}
 
 
-def _poison(array, rng: np.random.Generator, count: int):
-    """A copy of ``array`` (any device) with ``count`` random entries set to NaN or ±inf."""
+def _poison(array, rng: np.random.Generator, count: int, device: str):
+    """A copy of ``array`` (on ``device``: numpy or CuPy) with ``count`` random entries set to NaN or ±inf."""
     host = to_host(array).copy()
     flat = host.reshape(-1)
     for index in rng.integers(0, flat.size, size=count):
         flat[index] = _POISONS[rng.integers(len(_POISONS))]
-    return type(array)(host) if not isinstance(array, np.ndarray) else host
+    return array_module(device).asarray(host)
 
 
 def _assert_same(name: str, got, want, dtype: str) -> None:
@@ -56,10 +56,10 @@ def test_nonfinite_inputs_propagate_like_the_reference(
     names = {"q": "q", "k": "k", "v": "v", "m": "mask"}
     for target in targets - {"d"}:
         if inputs[names[target]] is not None:
-            inputs[names[target]] = _poison(inputs[names[target]], rng, int(rng.integers(1, 4)))
+            inputs[names[target]] = _poison(inputs[names[target]], rng, int(rng.integers(1, 4)), device)
     dout = dout_like(case, device)
     if "d" in targets:
-        dout = _poison(dout, rng, int(rng.integers(1, 4)))
+        dout = _poison(dout, rng, int(rng.integers(1, 4)), device)
     kwargs = case.kwargs(inputs)
     q, k, v = inputs["q"], inputs["k"], inputs["v"]
     reasons = fastattn.explain(q, k, v, **kwargs)
