@@ -96,12 +96,20 @@ template <typename T> static size_t scratch_elements(const FwdParams& p) {
 /* The K and V rows of a tile, handed to the prefetcher a few cache lines per call, so that the
  * prefetches of the next tile interleave with the current tile's arithmetic.  Issued in one burst
  * they stall the core once the line fill buffers are full (the decode profile showed most of its
- * time on that burst): memory and arithmetic then take turns instead of overlapping. */
+ * time on that burst): memory and arithmetic then take turns instead of overlapping.  Rows packed
+ * back to back (a contiguous (B, H, S, D) cache) make the tile's K and its V one run of bytes each,
+ * walked by a cursor apiece: a few instructions a line, where the row-by-row walk took a dozen and
+ * a branch per line (the float32 decode spent ~15% of its time in cache on it). */
 template <typename In> struct SpreadPrefetch {
     const char* k;
     const char* v;
     int64_t k_stride, v_stride, k_lines, v_lines, keys;
     int64_t key = 0, line = 0;
+    bool runs;
+    const char* k_cursor;
+    const char* k_end;
+    const char* v_cursor;
+    const char* v_end;
 
     SpreadPrefetch(const FwdParams& p, int64_t b, int64_t kvh, int64_t kt, int64_t n)
         : k(p.k + (b * p.k_stride[0] + kvh * p.k_stride[1] + kt * p.k_stride[2]) * (int64_t)sizeof(In)),
@@ -110,12 +118,30 @@ template <typename In> struct SpreadPrefetch {
           v_stride(p.v_stride[2] * (int64_t)sizeof(In)),
           k_lines((p.head_dim * (int64_t)sizeof(In) + 63) / 64),
           v_lines((p.head_dim_v * (int64_t)sizeof(In) + 63) / 64),
-          keys(n) {}
+          keys(n),
+          runs(k_stride == p.head_dim * (int64_t)sizeof(In) && v_stride == p.head_dim_v * (int64_t)sizeof(In)),
+          k_cursor(line_start(k)),
+          k_end(k + n * k_stride),
+          v_cursor(line_start(v)),
+          v_end(v + n * v_stride) {}
 
-    int64_t total_lines() const { return keys * (k_lines + v_lines); }
+    static const char* line_start(const char* address) {
+        return reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(address) & ~uintptr_t(63));
+    }
 
-    /* The next `count` lines (K row, then V row, key after key); nothing once all are asked for. */
+    int64_t total_lines() const {
+        if (runs) return keys == 0 ? 0 : (k_end - k_cursor + 63) / 64 + (v_end - v_cursor + 63) / 64;
+        return keys * (k_lines + v_lines);
+    }
+
+    /* The next `count` lines (K, then V: whole runs, or row after row, key after key); nothing once
+     * all are asked for. */
     __attribute__((always_inline)) inline void issue(int64_t count) {
+        if (runs) {
+            for (; count > 0 && k_cursor < k_end; --count, k_cursor += 64) __builtin_prefetch(k_cursor);
+            for (; count > 0 && v_cursor < v_end; --count, v_cursor += 64) __builtin_prefetch(v_cursor);
+            return;
+        }
         for (; count > 0 && key < keys; --count) {
             if (line < k_lines)
                 __builtin_prefetch(k + key * k_stride + line * 64);
@@ -548,9 +574,10 @@ static inline void dot_scores_block(const T* q, int64_t D, const In* keys, int64
             for (int u = 0; u < KB; ++u) acc[r * KB + u] += k[u] * qv;
         }
     }
-    const V sums = reduce_lanes<T>(acc);
-    const int* lane_key = reduced_lane_key<T>();
-    for (int lane = 0; lane < L; ++lane) s[lane_key[lane] / KB * N + lane_key[lane] % KB] = sums[lane];
+    /* Lane r * KB + u is row r's score of key u: each row's KB scores go out as one copy. */
+    alignas(64) T sums[L];
+    vstore(sums, reduce_lanes_in_order<T>(acc));
+    for (int r = 0; r < RB; ++r) std::memcpy(s + r * N, sums + r * KB, KB * sizeof(T));
 }
 
 /* The scores of `rows` rows against L keys: groups of RB rows, the rest in groups of RB / 2, ... */
@@ -686,8 +713,8 @@ static void forward_block_dot(const FwdParams& p, T* scratch, int64_t b, int64_t
     start_rows<T>(p, kvh, q0, qn, R, head, query, position, row_max, row_sum);
     const T scale = (T)p.scale;
     for (int r = 0; r < R; ++r) {
-        const In* src = at<In>(p.q, b * p.q_stride[0] + head[r] * p.q_stride[1] + query[r] * p.q_stride[2]);
-        for (int64_t d = 0; d < D; ++d) q[r * D + d] = scale * load_as<T>(src[d]);
+        convert_row(at<In>(p.q, b * p.q_stride[0] + head[r] * p.q_stride[1] + query[r] * p.q_stride[2]), q + r * D, D);
+        for (int64_t d = 0; d < D; ++d) q[r * D + d] *= scale;
     }
     std::memset(o, 0, sizeof(T) * R * Dv);
 
@@ -749,7 +776,7 @@ static void forward_block_dot(const FwdParams& p, T* scratch, int64_t b, int64_t
             else
                 accumulate_pv<T, In, R, CB, false>(o + c, Dv, s, N, v_rows + c, v_row_stride, n, issue);
         }
-        for (int64_t j = 0; j < n; ++j) {
+        for (int64_t j = 0; dv_main < Dv && j < n; ++j) {
             const In* value = v_rows + j * v_row_stride;
             for (int r = 0; r < R; ++r) {
                 if (skip && s[r * N + j] == T(0)) continue;

@@ -106,27 +106,43 @@ template <typename T> static inline typename Vec<T>::type reduce_lanes(typename 
     return x[0];
 }
 
-/* Which input vector each lane of reduce_lanes' result sums (computed by replaying the folds). */
-template <typename T> static inline const int* reduced_lane_key() {
-    constexpr int L = Vec<T>::lanes;
-    struct Table {
-        int key[L];
-        Table() {
-            int segment_key[L][L]; /* [vector][segment] */
-            for (int v = 0; v < L; ++v) segment_key[v][0] = v;
-            for (int width = L, count = L; width > 1; width /= 2, count /= 2) {
-                const int segments = L / width;
-                for (int i = 0; i < count / 2; ++i) {
-                    int merged[L];
-                    for (int t = 0; t < 2 * segments; ++t) merged[t] = segment_key[2 * i + t % 2][t / 2];
-                    for (int t = 0; t < 2 * segments; ++t) segment_key[i][t] = merged[t];
-                }
+/* Which input vector each lane of reduce_lanes' result sums, and the inverse (the folds replayed at
+ * compile time): key[lane] = source vector, lane[source vector] = lane. */
+template <int L> struct ReducedOrder {
+    int key[L] = {};
+    int lane[L] = {};
+    constexpr ReducedOrder() {
+        int segment_key[L][L] = {}; /* [vector][segment] */
+        for (int v = 0; v < L; ++v) segment_key[v][0] = v;
+        for (int width = L, count = L; width > 1; width /= 2, count /= 2) {
+            const int segments = L / width;
+            for (int i = 0; i < count / 2; ++i) {
+                int merged[L] = {};
+                for (int t = 0; t < 2 * segments; ++t) merged[t] = segment_key[2 * i + t % 2][t / 2];
+                for (int t = 0; t < 2 * segments; ++t) segment_key[i][t] = merged[t];
             }
-            for (int lane = 0; lane < L; ++lane) key[lane] = segment_key[0][lane];
         }
-    };
-    static const Table table;
-    return table.key;
+        for (int l = 0; l < L; ++l) {
+            key[l] = segment_key[0][l];
+            lane[key[l]] = l;
+        }
+    }
+};
+
+template <typename T> static inline const int* reduced_lane_key() {
+    static constexpr ReducedOrder<Vec<T>::lanes> order{};
+    return order.key;
+}
+
+template <typename V, int L, int... I> static inline V source_order(V sums, std::integer_sequence<int, I...>) {
+    constexpr ReducedOrder<L> order{};
+    return __builtin_shufflevector(sums, sums, order.lane[I]...);
+}
+
+/* reduce_lanes' result with lane i holding the sum of x[i] (one permute). */
+template <typename T> static inline typename Vec<T>::type reduce_lanes_in_order(typename Vec<T>::type* x) {
+    constexpr int L = Vec<T>::lanes;
+    return source_order<typename Vec<T>::type, L>(reduce_lanes<T>(x), std::make_integer_sequence<int, L>{});
 }
 
 /* Bitwise select: lanes of a where mask is all ones, else b (mask from a vector comparison). */
