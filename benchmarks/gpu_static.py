@@ -16,7 +16,8 @@ compile it as CI does (nvcc, ``-arch=sm_90`` by default) and report, from ptxas 
 
     python benchmarks/gpu_static.py                      # the table, every instance
     python benchmarks/gpu_static.py --only flash_forward --json benchmarks/results/gpu-static.json
-    python benchmarks/gpu_static.py --only flash_forward,flash_decode --check   # CI: exit 1 when a goal below is broken
+    python benchmarks/gpu_static.py --only flash_forward,flash_decode --check   # exit 1 when a goal below is broken
+    python benchmarks/gpu_static.py --only flash_forward,flash_decode --check --cubins DIR   # CI: its compile step's cubins
 
 The goals ``--check`` holds (issue #21): the tensor-core forward's interior loop at <= 6
 instructions per HMMA at head_dim 64 and 128 (without softcap or dropout); the decode's at <= 1
@@ -108,8 +109,15 @@ def demangle(names: list[str]) -> dict[str, str]:
     return {name: re.sub(r"^void ", "", text).rsplit("(", 1)[0] for name, text in zip(names, plain)}
 
 
-def compile_source(source: str, arch: str, work: Path) -> tuple[Path, str]:
-    """nvcc the table's instantiation unit of ``source`` into a cubin; returns it and ptxas' report."""
+def compile_source(source: str, arch: str, work: Path, cubins: Path | None = None) -> tuple[Path, str]:
+    """nvcc the table's instantiation unit of ``source`` into a cubin; returns it and ptxas' report.
+
+    With ``cubins``, the cubin and report that CI's compile step wrote there with the same flags
+    (``<stem>-<arch>.cubin`` and ``<stem>-<arch>.ptxas``) are read instead of compiling again.
+    """
+    if cubins is not None:
+        stem = cubins / f"{source.removesuffix('.cu')}-{arch}"
+        return stem.with_suffix(".cubin"), stem.with_suffix(".ptxas").read_text()
     unit = work / source.replace(".cu", "-instances.cu")
     unit.write_text(ops.instantiation_unit(source))
     cubin = unit.with_suffix(".cubin")
@@ -255,13 +263,13 @@ def decode_tile_bytes(kernel: str) -> int:
     return 2 * decode.block_keys("float16", head_dim, decode.TENSOR_CORE_ROWS) * head_dim * 2
 
 
-def analyse(arch: str, only: set[str] | None) -> list[KernelStats]:
+def analyse(arch: str, only: set[str] | None, cubins: Path | None = None) -> list[KernelStats]:
     rows = []
     with tempfile.TemporaryDirectory() as folder:
         wanted = [op for op in ops.OPS if only is None or op.name in only or any(name in only for name in
                   {instance.split("::")[1].split("<")[0] for instance in op.all_instances()})]
         for source in sorted({op.source for op in wanted}):
-            cubin, report = compile_source(source, arch, Path(folder))
+            cubin, report = compile_source(source, arch, Path(folder), cubins)
             ptxas = ptxas_report(report)
             functions = sass_functions(cubin)
             names = demangle(list(functions))
@@ -319,12 +327,15 @@ def main() -> int:
     parser.add_argument("--only", default="", help="comma-separated kernel or op names (default: all)")
     parser.add_argument("--json", type=Path, help="write the rows and the toolchain here")
     parser.add_argument("--check", action="store_true", help="exit 1 when a goal of the module docstring fails")
+    parser.add_argument(
+        "--cubins", type=Path, help="read <source>-<arch>.cubin and .ptxas from here (CI's compile step) instead of compiling"
+    )
     args = parser.parse_args()
     if shutil.which("nvcc") is None:
         print("gpu_static: nvcc not found: nothing to analyse")
         return 0
     only = {name for name in args.only.split(",") if name} or None
-    rows = analyse(args.arch, only)
+    rows = analyse(args.arch, only, args.cubins)
     print_table(rows)
     if args.json:
         nvcc = subprocess.run(["nvcc", "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1]
