@@ -423,24 +423,11 @@ static bool dpbf16_decode_applies(const FwdParams& p, int64_t rows) {
            !p.skip_zero_weights;
 }
 
-/* The permutation that puts reduce_lanes' lanes back in the order of its input vectors. */
-static inline __m512i reduced_lane_order() {
-    struct Table {
-        alignas(64) int32_t lane_of_vector[16];
-        Table() {
-            const int* key = reduced_lane_key<float>();
-            for (int lane = 0; lane < 16; ++lane) lane_of_vector[key[lane]] = lane;
-        }
-    };
-    static const Table table;
-    return _mm512_load_si512(table.lane_of_vector);
-}
-
 /* s[r][u] = scale * q[r] . k[u] for RB rows (q's rows D apart) and KB = 16 / RB keys (k's rows
  * k_stride apart); s's rows N apart. */
 template <int RB, typename Between>
 static inline void decode_scores_block(const uint16_t* q, int64_t D, const uint16_t* k, int64_t k_stride, float* s,
-                                       int64_t N, __m512 scale, __m512i order, Between&& between) {
+                                       int64_t N, __m512 scale, Between&& between) {
     constexpr int KB = 16 / RB;
     __m512 acc[16];
     for (int u = 0; u < 16; ++u) acc[u] = _mm512_setzero_ps();
@@ -454,7 +441,7 @@ static inline void decode_scores_block(const uint16_t* q, int64_t D, const uint1
         }
     }
     /* Lane r * KB + u of `sums` is row r's score of key u: row r takes lanes [r KB, (r + 1) KB). */
-    const __m512 sums = _mm512_mul_ps(_mm512_permutexvar_ps(order, reduce_lanes<float>(acc)), scale);
+    const __m512 sums = _mm512_mul_ps(reduce_lanes_in_order<float>(acc), scale);
     for (int r = 0; r < RB; ++r)
         _mm512_mask_storeu_ps(s + r * N - r * KB, (__mmask16)(((1u << KB) - 1) << (r * KB)), sums);
 }
@@ -464,11 +451,10 @@ template <int RB, typename Between>
 static void decode_scores_rows(const uint16_t* q, int64_t D, const uint16_t* k, int64_t k_stride, int64_t n, float* s,
                                int64_t N, float scale, Between&& between) {
     constexpr int KB = 16 / RB;
-    const __m512i order = reduced_lane_order();
     const __m512 scales = _mm512_set1_ps(scale);
     int64_t j = 0;
     for (; j + KB <= n; j += KB)
-        decode_scores_block<RB>(q, D, k + j * k_stride, k_stride, s + j, N, scales, order, between);
+        decode_scores_block<RB>(q, D, k + j * k_stride, k_stride, s + j, N, scales, between);
     for (; j < n; ++j)
         for (int r = 0; r < RB; ++r) {
             __m512 acc = _mm512_setzero_ps();

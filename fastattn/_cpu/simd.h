@@ -78,7 +78,7 @@ template <typename T> static inline T vsum(typename Vec<T>::type v) {
  * reduce_lanes(x) turns L vectors x[0..L-1] into one vector whose lanes are their L lane sums,
  * in L - 1 "folds" instead of L horizontal sums: each fold adds the lower and upper halves of
  * every segment of two vectors, so segment width halves while the number of vectors halves.
- * The result's lane order is a fixed permutation, `reduced_lane_key<T>()[lane]` = source vector. */
+ * The result's lane order is a fixed permutation (ReducedOrder below; reduce_lanes_in_order undoes it). */
 template <int L, int W, int HIGH, int I> constexpr int fold_index() {
     return ((I / (W / 2)) % 2) * L + ((I / (W / 2)) / 2) * W + I % (W / 2) + (HIGH ? W / 2 : 0);
 }
@@ -106,10 +106,9 @@ template <typename T> static inline typename Vec<T>::type reduce_lanes(typename 
     return x[0];
 }
 
-/* Which input vector each lane of reduce_lanes' result sums, and the inverse (the folds replayed at
- * compile time): key[lane] = source vector, lane[source vector] = lane. */
+/* Where reduce_lanes leaves each input vector's sum (the folds replayed at compile time):
+ * lane[source vector] = lane. */
 template <int L> struct ReducedOrder {
-    int key[L] = {};
     int lane[L] = {};
     constexpr ReducedOrder() {
         int segment_key[L][L] = {}; /* [vector][segment] */
@@ -122,17 +121,9 @@ template <int L> struct ReducedOrder {
                 for (int t = 0; t < 2 * segments; ++t) segment_key[i][t] = merged[t];
             }
         }
-        for (int l = 0; l < L; ++l) {
-            key[l] = segment_key[0][l];
-            lane[key[l]] = l;
-        }
+        for (int l = 0; l < L; ++l) lane[segment_key[0][l]] = l;
     }
 };
-
-template <typename T> static inline const int* reduced_lane_key() {
-    static constexpr ReducedOrder<Vec<T>::lanes> order{};
-    return order.key;
-}
 
 template <typename V, int L, int... I> static inline V source_order(V sums, std::integer_sequence<int, I...>) {
     constexpr ReducedOrder<L> order{};
