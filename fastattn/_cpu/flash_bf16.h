@@ -375,16 +375,17 @@ static void forward_block_dpbf16(const FwdParams& p, char* scratch, int64_t b, i
         const uint16_t* k = at<uint16_t>(p.k, b * p.k_stride[0] + kvh * p.k_stride[1] + kt * p.k_stride[2]);
         const uint16_t* v = at<uint16_t>(p.v, b * p.v_stride[0] + kvh * p.v_stride[1] + kt * p.v_stride[2]);
 
-        /* S^T = K Q^T, the next tile's rows (and mask lines) prefetched a few at a time on the way. */
+        /* S^T = K Q^T, the next tile's K and V rows and this tile's mask lines prefetched a few at a
+         * time on the way. */
         const int64_t next_n = kt + N < hi ? std::min(N, hi - kt - N) : 0;
         SpreadPrefetch<uint16_t> ahead(p, b, kvh, kt + N, next_n);
-        MaskPrefetch mask_ahead(p, b, kvh, q0, qn, rows, kt + N, next_n);
+        MaskPrefetch mask_lines(p, b, kvh, q0, qn, rows, kt, n);
         const int64_t calls = std::max<int64_t>(1, (mp + 31) / 32 * (n / kPairsMR));
         const int64_t lines_per_call = (ahead.total_lines() + calls - 1) / calls;
-        const int64_t mask_lines_per_call = (mask_ahead.total_lines() + calls - 1) / calls;
+        const int64_t mask_lines_per_call = (mask_lines.total_lines() + calls - 1) / calls;
         pairs_dot_tiles<false>(n, k, p.k_stride[2], 2, buffers.qb, D * 16, D / 2, s, mp, [&] {
             ahead.issue(lines_per_call);
-            mask_ahead.issue(mask_lines_per_call);
+            mask_lines.issue(mask_lines_per_call);
         });
         scores_to_pairs(p, buffers, packer, b, kvh, q0, qn, mp, kt, n);
 

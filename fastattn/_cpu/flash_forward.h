@@ -511,17 +511,18 @@ static void forward_block(const FwdParams& p, T* scratch, int64_t b, int64_t kvh
         KvTile<T, In> tile;
         tile.load(p, b, kvh, kt, n, k_converted, v_converted);
 
-        /* S[j][rows] = K Qp^T (scale already in Qp), the next tile's rows prefetched on the way. */
+        /* S[j][rows] = K Qp^T (scale already in Qp), the next tile's K and V rows and this tile's
+         * mask rows prefetched on the way. */
         const int64_t next_n = kt + N < hi ? std::min(N, hi - kt - N) : 0;
         SpreadPrefetch<In> ahead(p, b, kvh, kt + N, next_n);
-        MaskPrefetch mask_ahead(p, b, kvh, q0, qn, rows, kt + N, next_n);
+        MaskPrefetch mask_lines(p, b, kvh, q0, qn, rows, kt, n);
         const int64_t calls = std::max<int64_t>(1, mp / RB * (n / kMainMR));
         const int64_t lines_per_call = (ahead.total_lines() + calls - 1) / calls;
-        const int64_t mask_lines_per_call = (mask_ahead.total_lines() + calls - 1) / calls;
+        const int64_t mask_lines_per_call = (mask_lines.total_lines() + calls - 1) / calls;
         for (int64_t rb = 0; rb < mp; rb += RB)
             Blocked<T, NV>::qk_all(n, tile.k, tile.k_stride, qp + rb * D, D, s + rb, mp, [&] {
                 ahead.issue(lines_per_call);
-                mask_ahead.issue(mask_lines_per_call);
+                mask_lines.issue(mask_lines_per_call);
             });
 
         finish_scores<T>(p, s, nullptr, mp, rows, n, kt, b, kvh, q0, qn, position, T(1));
