@@ -7,14 +7,15 @@
  *  - transposed, S[j][rows] (forward_block, the backward, the AMX forward): rows are the lanes.
  *    A mask whose tile rows all read one mask row ((B,1,1,Sk), or (B,Hq,1,Sk) without GQA: the
  *    common padding and ALiBi-free bias masks) costs one scalar read and one broadcast per key.
- *    A mask whose rows differ ((B,Hq,Sq,Sk)) is read as blocks of L rows x L keys, each row's L
- *    keys one vector load (they are contiguous in memory), transposed in registers (log2 L rounds
- *    of L two-input shuffles: 64 shuffles for a 16 x 16 float block, ~0.25 cycle per score where
- *    the shuffle port is single) and applied L keys at a time; a bfloat16 mask over float scores
- *    (AVX-512) is transposed as 16-bit words before it is widened, half the shuffles
- *    (transpose_bfloat16_block).  Key tails, and masks whose key axis is not contiguous, read
- *    element by element.  Kernels whose products leave the scores unscaled scale them in the same
- *    pass (one pass over the tile instead of two).
+ *    A mask whose rows differ ((B,Hq,Sq,Sk)) is read as blocks of L rows x L keys (the keys of a
+ *    row are contiguous in memory), transposed and applied L keys at a time: float32 blocks
+ *    through 128-bit loads of four rows into one register and in-lane unpacks
+ *    (load_transposed_floats), a bfloat16 mask over float scores (AVX-512) as 16-bit words before
+ *    it is widened (transpose_bfloat16_block), a bool mask (AVX-512BW) as one 16-bit row mask per
+ *    key for a masked multiply (hide_bool_block), other kinds as L vector loads transposed in
+ *    registers (log2 L rounds of L two-input shuffles).  Key tails, and masks whose key axis is
+ *    not contiguous, read element by element.  Kernels whose products leave the scores unscaled
+ *    scale them in the same pass (one pass over the tile instead of two).
  *  - row-major, S[r][j] (forward_block_dot, the decode path): a mask row is contiguous along the
  *    keys, so it is read L keys per vector load.
  *
