@@ -217,14 +217,25 @@ static void softmax_gradient(const FwdParams& p, T* s, T* dp, const T* cap_grad,
 }
 
 /* P and dS of one (key tile, query tile), left in t.s and t.dp: S = K Qp^T and dP = V dOp^T by the
- * forward's kernel, the forward's masking, then softmax_gradient. */
+ * forward's kernel (the tile's mask rows prefetched on the way, as the forward does), the forward's
+ * masking, then softmax_gradient. */
 template <typename T, typename In, int NV>
 static void tile_gradients(const FwdParams& p, const KvTile<T, In>& tile, BackwardTiles<T, In, NV>& t, int64_t n,
                            int64_t kt, int64_t b, int64_t kvh, int64_t q0, int64_t qn) {
-    const int64_t D = p.head_dim, Dv = p.head_dim_v, mp = t.pack.mp;
-    for (int64_t rb = 0; rb < mp; rb += NV * lanes<T>()) {
-        Blocked<T, NV>::qk_all(n, tile.k, tile.k_stride, t.pack.qp + rb * D, D, t.s + rb, mp);
-        Blocked<T, NV>::qk_all(n, tile.v, tile.v_stride, t.pack.dop + rb * Dv, Dv, t.dp + rb, mp);
+    const int64_t D = p.head_dim, Dv = p.head_dim_v, mp = t.pack.mp, RB = NV * lanes<T>();
+    MaskPrefetch mask_lines(p, b, kvh, q0, qn, t.pack.rows, kt, n);
+    const int64_t calls = std::max<int64_t>(1, 2 * (mp / RB) * (n / kMainMR));
+    const int64_t mask_lines_per_call = (mask_lines.total_lines() + calls - 1) / calls;
+    auto issue = [&] { mask_lines.issue(mask_lines_per_call); };
+    const bool prefetch = mask_lines.total_lines() > 0; /* else no hook: the products keep their registers */
+    for (int64_t rb = 0; rb < mp; rb += RB) {
+        if (prefetch) {
+            Blocked<T, NV>::qk_all(n, tile.k, tile.k_stride, t.pack.qp + rb * D, D, t.s + rb, mp, issue);
+            Blocked<T, NV>::qk_all(n, tile.v, tile.v_stride, t.pack.dop + rb * Dv, Dv, t.dp + rb, mp, issue);
+        } else {
+            Blocked<T, NV>::qk_all(n, tile.k, tile.k_stride, t.pack.qp + rb * D, D, t.s + rb, mp);
+            Blocked<T, NV>::qk_all(n, tile.v, tile.v_stride, t.pack.dop + rb * Dv, Dv, t.dp + rb, mp);
+        }
     }
     finish_scores<T>(p, t.s, t.cap_grad, mp, t.pack.rows, n, kt, b, kvh, q0, qn, t.pack.position, T(1));
     const T* keep = nullptr;

@@ -45,9 +45,12 @@ inline namespace FASTATTN_ISA_NAMESPACE {
 static inline void begin_products() { configure_tiles(); }
 static inline void end_products() { _tile_release(); }
 
-/* out^T[n][mp] = X Y^T: X's n rows (x_stride apart) read in place, Y in column pairs of `depth`. */
+/* out^T[n][mp] = X Y^T: X's n rows (x_stride apart) read in place, Y in column pairs of `depth`.
+ * The tile products have no step between blocks, so `between` (the vector level's prefetch hook)
+ * is not called: the AMX backward prefetches no mask rows. */
+template <typename Between>
 static inline void scores_product(const uint16_t* x, int64_t x_stride, int64_t n, const uint16_t* y_columns,
-                                  int64_t depth, float* out, int64_t mp, uint16_t* pad) {
+                                  int64_t depth, float* out, int64_t mp, uint16_t* pad, Between&&) {
     tile_scores(x, x_stride, n, y_columns, depth, out, mp, pad);
 }
 
@@ -71,9 +74,11 @@ static inline void dq_product(const uint16_t* k_packed, int64_t live, const uint
 static inline void begin_products() {}
 static inline void end_products() {}
 
+/* between() runs before each block of kPairsMR rows of X (the tile's mask rows are prefetched there). */
+template <typename Between>
 static inline void scores_product(const uint16_t* x, int64_t x_stride, int64_t n, const uint16_t* y_columns,
-                                  int64_t depth, float* out, int64_t mp, uint16_t*) {
-    pairs_dot_tiles<false>(n, x, x_stride, 2, y_columns, depth * 16, depth / 2, out, mp, [] {});
+                                  int64_t depth, float* out, int64_t mp, uint16_t*, Between&& between) {
+    pairs_dot_tiles<false>(n, x, x_stride, 2, y_columns, depth * 16, depth / 2, out, mp, between);
 }
 
 /* C's columns two vectors at a time, its rows kPairsMR at a time: A's pairs broadcast. */
@@ -259,8 +264,17 @@ static void gradient_block_pairs(const BwdParams& bp, char* scratch, int64_t b, 
                 const int64_t q0 = qb * BQ, qn = std::min(BQ, p.seq_q - q0), rows = p.group * qn;
                 if (p.mask_kind != MASK_NONE && mask_hides_tile(p, b, kvh, q0, qn, k0, live)) continue;
                 const int64_t mp = pack_query_tile(bp, b, kvh, q0, qn, t);
-                scores_product(k, p.k_stride[2], live, t.q_columns, D, t.s, mp, t.pad);
-                scores_product(v, p.v_stride[2], live, t.do_columns, Dv, t.dp, mp, t.pad);
+                MaskPrefetch mask_lines(p, b, kvh, q0, qn, rows, k0, live);
+                const int64_t calls = std::max<int64_t>(1, 2 * ((mp + 31) / 32) * (live / kPairsMR));
+                const int64_t mask_lines_per_call = (mask_lines.total_lines() + calls - 1) / calls;
+                auto issue = [&] { mask_lines.issue(mask_lines_per_call); };
+                if (mask_lines.total_lines() > 0) { /* else no hook: the products keep their registers */
+                    scores_product(k, p.k_stride[2], live, t.q_columns, D, t.s, mp, t.pad, issue);
+                    scores_product(v, p.v_stride[2], live, t.do_columns, Dv, t.dp, mp, t.pad, issue);
+                } else {
+                    scores_product(k, p.k_stride[2], live, t.q_columns, D, t.s, mp, t.pad, [] {});
+                    scores_product(v, p.v_stride[2], live, t.do_columns, Dv, t.dp, mp, t.pad, [] {});
+                }
                 finish_scores<float>(p, t.s, t.cap_grad, mp, rows, live, k0, b, kvh, q0, qn, t.position, scale);
                 if (p.dropout_p > 0) {
                     std::memset(t.keep, 0, sizeof(float) * live * mp);

@@ -383,10 +383,15 @@ static void forward_block_dpbf16(const FwdParams& p, char* scratch, int64_t b, i
         const int64_t calls = std::max<int64_t>(1, (mp + 31) / 32 * (n / kPairsMR));
         const int64_t lines_per_call = (ahead.total_lines() + calls - 1) / calls;
         const int64_t mask_lines_per_call = (mask_lines.total_lines() + calls - 1) / calls;
-        pairs_dot_tiles<false>(n, k, p.k_stride[2], 2, buffers.qb, D * 16, D / 2, s, mp, [&] {
-            ahead.issue(lines_per_call);
-            mask_lines.issue(mask_lines_per_call);
-        });
+        if (mask_lines.total_lines() > 0) {
+            pairs_dot_tiles<false>(n, k, p.k_stride[2], 2, buffers.qb, D * 16, D / 2, s, mp, [&] {
+                ahead.issue(lines_per_call);
+                mask_lines.issue(mask_lines_per_call);
+            });
+        } else { /* without the mask's cursor in the products' loop */
+            pairs_dot_tiles<false>(n, k, p.k_stride[2], 2, buffers.qb, D * 16, D / 2, s, mp,
+                                   [&] { ahead.issue(lines_per_call); });
+        }
         scores_to_pairs(p, buffers, packer, b, kvh, q0, qn, mp, kt, n);
 
         /* O^T += V^T P^T over the tile's pairs of keys; an odd n's last pair: P[n] = 0, V[n] zero. */
