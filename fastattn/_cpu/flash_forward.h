@@ -558,7 +558,8 @@ template <typename T> constexpr int kDotRowBlock = Vec<T>::lanes >= 8 ? 4 : Vec<
 
 /* s[r][u] = q[r] . keys[u] for RB rows (q's rows D apart) and KB = L / RB keys (keys' rows
  * key_stride apart, converted to T as they are loaded): L accumulators along D, reduced together;
- * s's rows N apart. */
+ * s's rows N apart.  between(D / L) first: the block's share of the spread prefetch in one go (a
+ * call per step put the prefetch walk's dozen instructions beside every L FMAs). */
 template <typename T, int RB, typename In, typename Between>
 static inline void dot_scores_block(const T* q, int64_t D, const In* keys, int64_t key_stride, T* s, int64_t N,
                                     Between&& between) {
@@ -566,8 +567,8 @@ static inline void dot_scores_block(const T* q, int64_t D, const In* keys, int64
     constexpr int L = Vec<T>::lanes, KB = L / RB;
     V acc[L];
     for (int u = 0; u < L; ++u) acc[u] = V{};
+    between(D / L);
     for (int64_t d = 0; d < D; d += L) {
-        between();
         V k[KB];
         for (int u = 0; u < KB; ++u) k[u] = load_vector<T>(keys + u * key_stride + d);
         for (int r = 0; r < RB; ++r) {
@@ -607,7 +608,7 @@ static inline void accumulate_pv(T* o, int64_t o_stride, const T* s, int64_t s_s
     for (int r = 0; r < R; ++r)
         for (int cb = 0; cb < CB; ++cb) acc[r][cb] = vload<V>(o + r * o_stride + cb * L);
     for (int64_t j = 0; j < n; ++j) {
-        between();
+        between(1);
         const In* value = v + j * v_stride;
         V vv[CB];
         for (int cb = 0; cb < CB; ++cb) vv[cb] = load_vector<T>(value + cb * L);
@@ -732,11 +733,12 @@ static void forward_block_dot(const FwdParams& p, T* scratch, int64_t b, int64_t
         const In* k_rows = at<In>(p.k, b * p.k_stride[0] + kvh * p.k_stride[1] + kt * p.k_stride[2]);
         const In* v_rows = at<In>(p.v, b * p.v_stride[0] + kvh * p.v_stride[1] + kt * p.v_stride[2]);
         const int64_t k_row_stride = p.k_stride[2], v_row_stride = p.v_stride[2];
-        /* The next tile's rows, spread over this tile's score blocks (R calls per block). */
+        /* The next tile's rows, spread over this tile's work: issue(steps) hands over `steps` calls'
+         * share, D / L for a score block (R / RB blocks per L keys), 1 for each value row. */
         SpreadPrefetch<In> ahead(p, b, kvh, kt + N, kt + N < hi ? std::min(N, hi - kt - N) : 0);
         const int64_t calls = std::max<int64_t>(1, R * (n / L) * (D / L) + dv_main / (CB * L) * n);
         const int64_t lines_per_call = (ahead.total_lines() + calls - 1) / calls;
-        auto issue = [&] { ahead.issue(lines_per_call); };
+        auto issue = [&](int64_t steps) { ahead.issue(lines_per_call * steps); };
 
         /* Scores: dot products along D.  Full blocks of L keys run as blocks of rows x keys whose L
          * accumulators are reduced together (dot_scores); the rest take one horizontal sum per score. */
