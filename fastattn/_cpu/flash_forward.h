@@ -918,7 +918,7 @@ static void combine_item(const FwdParams& p, int64_t index) {
     const int64_t b = bk / p.heads_kv, kvh = bk % p.heads_kv;
     const int64_t q0 = qb * p.block_queries, qn = std::min(p.block_queries, p.seq_q - q0);
     const int64_t rows_alloc = p.group * p.block_queries, Dv = p.head_dim_v;
-    const T* parts = reinterpret_cast<const T*>(p.partial_out) + index * p.splits * rows_alloc * Dv;
+    T* parts = reinterpret_cast<T*>(p.partial_out) + index * p.splits * rows_alloc * Dv;
     const T* lses = reinterpret_cast<const T*>(p.partial_lse) + index * p.splits * rows_alloc;
     for (int64_t r = 0; r < p.group * qn; ++r) {
         const int64_t g = r / qn, i = q0 + r % qn, h = kvh * p.group + g;
@@ -941,16 +941,23 @@ static void combine_item(const FwdParams& p, int64_t index) {
             *lse_out = top;
             continue;
         }
+        /* Each split's share exp(lse - top) / total once a row; the merged row builds up in split 0's
+         * partial (scratch), a vector pass per split.  A split that saw no key (share 0) is skipped:
+         * its partial row may hold 0 * inf. */
         T total = 0;
         for (int64_t sp = 0; sp < p.splits; ++sp) total += std::exp(lses[sp * rows_alloc + r] - top);
+        T* merged = parts + r * Dv;
+        const T first = std::exp(lses[r] - top) / total;
+        for (int64_t c = 0; c < Dv; ++c) merged[c] = first > 0 ? first * merged[c] : T(0);
+        for (int64_t sp = 1; sp < p.splits; ++sp) {
+            const T share = std::exp(lses[sp * rows_alloc + r] - top) / total;
+            const T* part = parts + (sp * rows_alloc + r) * Dv;
+            if (share > 0)
+                for (int64_t c = 0; c < Dv; ++c) merged[c] += share * part[c];
+        }
         for (int64_t c = 0; c < Dv; ++c) {
-            T value = 0;
-            for (int64_t sp = 0; sp < p.splits; ++sp) {
-                const T weight = std::exp(lses[sp * rows_alloc + r] - top);
-                if (weight > 0) value += weight * parts[(sp * rows_alloc + r) * Dv + c];
-            }
-            note_stored(p, value / total);
-            dst[c] = Store<In>::from(value / total);
+            note_stored(p, merged[c]);
+            dst[c] = Store<In>::from(merged[c]);
         }
         *lse_out = top + std::log(total);
     }
