@@ -4,7 +4,11 @@ The buffers are ``(batch, max_seq, num_kv_heads, head_dim)``: ``"bshd"`` order, 
 :class:`~fastattn.nn.MultiheadAttention` projects keys and values, so appending is a slice
 assignment and attention reads views of the buffers (sliced to the longest row) without a copy.
 Positions at or beyond a row's length are padding: attention is told the per-row lengths and never
-sees them.  The buffers start zeroed, so padding is always finite.
+sees them.  The buffers start zeroed, so padding is always finite.  Host buffers start on a cache
+line (numpy puts large arrays 16 bytes past one): a token's row of a kv head then fills whole lines
+when ``head_dim`` x itemsize is a multiple of 64, where an offset row spans one line more, read for
+the neighbouring head's bytes (a float16 decode over a (4, 4096, 8, 128) cache: 2.5 ms offset,
+1.95 ms aligned, on a 2-core Zen 5).
 """
 
 from __future__ import annotations
@@ -17,6 +21,20 @@ import numpy as np
 from .. import _arrays
 from ._checks import device_name, float_dtype, positive_int
 from ._device import array_module, host_ints, native_input
+
+#: Bytes a host buffer's start is a multiple of: a cache line.
+LINE_BYTES = 64
+
+
+def zeros_on_lines(xp: Any, shape: tuple[int, ...], dtype: np.dtype) -> Any:
+    """A zeroed ``shape`` array of ``dtype`` that starts on a cache line (numpy: a view into a
+    slightly larger byte buffer; CuPy's allocations already start on 256 bytes)."""
+    if xp is not np:
+        return xp.zeros(shape, dtype=dtype)
+    nbytes = int(np.prod(shape)) * dtype.itemsize
+    raw = np.zeros(nbytes + LINE_BYTES, dtype=np.uint8)
+    start = -raw.ctypes.data % LINE_BYTES
+    return raw[start : start + nbytes].view(dtype).reshape(shape)
 
 
 class KVCache:
@@ -61,8 +79,8 @@ class KVCache:
         self.device = device_name("device", device)
         xp = array_module(self.device)
         shape = (self.batch, self.max_seq, self.num_kv_heads, self.head_dim)
-        self.keys = xp.zeros(shape, dtype=self.dtype)
-        self.values = xp.zeros(shape, dtype=self.dtype)
+        self.keys = zeros_on_lines(xp, shape, self.dtype)
+        self.values = zeros_on_lines(xp, shape, self.dtype)
         self._lengths = np.zeros(self.batch, dtype=np.int64)
 
     def __repr__(self) -> str:

@@ -27,6 +27,18 @@ def test_a_new_cache_is_empty_and_zeroed():
     assert "lengths=[0, 0]" in repr(cache)
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
+@pytest.mark.parametrize("shape", [(1, 1, 1, 1), (2, 8, 3, 4), (4, 4096, 8, 128)])
+def test_host_buffers_start_on_a_cache_line(dtype, shape):
+    """numpy alone would start a large buffer 16 bytes past a line (each row then spans one more)."""
+    cache = KVCache(*shape, dtype=dtype)
+    for buffer in (cache.keys, cache.values):
+        assert buffer.ctypes.data % 64 == 0
+        assert buffer.shape == shape and buffer.dtype.name == dtype and buffer.flags.c_contiguous
+        assert buffer.flags.writeable and not buffer.any()
+    assert not np.shares_memory(cache.keys, cache.values)
+
+
 def test_append_view_truncate_reset(rng):
     cache = KVCache(2, 6, 1, 2)
     keys, values = (rng.standard_normal((2, 3, 1, 2)).astype(np.float32) for _ in range(2))
