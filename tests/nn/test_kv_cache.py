@@ -29,13 +29,18 @@ def test_a_new_cache_is_empty_and_zeroed():
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
 @pytest.mark.parametrize("shape", [(1, 1, 1, 1), (2, 8, 3, 4), (4, 4096, 8, 128)])
-def test_host_buffers_start_on_a_cache_line(dtype, shape):
-    """numpy alone would start a large buffer 16 bytes past a line (each row then spans one more)."""
+def test_host_buffers_are_head_major_on_a_cache_line(dtype, shape):
+    """Each kv head's tokens back to back (a decode streams them), the memory starting on a cache
+    line (numpy alone would start a large buffer 16 bytes past one)."""
+    batch, max_seq, heads, head_dim = shape
     cache = KVCache(*shape, dtype=dtype)
+    itemsize = cache.keys.dtype.itemsize
+    head_major = (heads * max_seq * head_dim * itemsize, head_dim * itemsize, max_seq * head_dim * itemsize, itemsize)
     for buffer in (cache.keys, cache.values):
         assert buffer.ctypes.data % 64 == 0
-        assert buffer.shape == shape and buffer.dtype.name == dtype and buffer.flags.c_contiguous
-        assert buffer.flags.writeable and not buffer.any()
+        assert buffer.shape == shape and buffer.dtype.name == dtype and buffer.flags.writeable
+        assert buffer.strides == head_major and buffer.transpose(0, 2, 1, 3).flags.c_contiguous
+        assert not buffer.any()
     assert not np.shares_memory(cache.keys, cache.values)
 
 
