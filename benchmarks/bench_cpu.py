@@ -22,6 +22,7 @@ peak RSS beyond inputs, outputs and gradients, measured in a subprocess.
     python benchmarks/bench_cpu.py --impls fastattn --passes forward   # one implementation only
     python benchmarks/bench_cpu.py --dtype bfloat16 --passes forward   # against torch's bf16 SDPA and gemm
     python benchmarks/bench_cpu.py --cases C1 C2 --masks bool-keys float-full   # what masks cost
+    python benchmarks/bench_cpu.py --cases C6 --passes forward --layouts bhsd bshd kv-cache   # memory orders
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ import numpy as np
 
 import fastattn
 from fastattn._bench import numpy_naive_attention
+from fastattn.nn import KVCache
 
 #: The input dtypes a run may time (``--dtype``); numpy naive runs float32 only.
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
@@ -61,6 +63,12 @@ CASES: dict[str, tuple[int, int, int, int, int, int, bool]] = {
     "C5": (1, 32, 8, 2048, 2048, 128, True),
     "C6": (8, 32, 8, 1, 4096, 128, False),
 }
+
+#: How the inputs lie in memory (``--layouts``); every implementation indexes them (B, H, S, D), and
+#: fastattn is called with ``layout="bshd"`` on the (B, S, H, D) views where that is the memory's order:
+#: ``bhsd`` (numpy arrays as drawn), ``bshd`` (token-major: what a layer's projections give), and
+#: ``kv-cache`` (K and V held in a full ``fastattn.nn.KVCache``, Q and dO token-major: the layer's decode).
+LAYOUTS = ("bhsd", "bshd", "kv-cache")
 
 #: Cases with at most this many query positions are decodes (issue #23): their rounds also time a
 #: streaming read of their K and V's size.
@@ -333,8 +341,11 @@ def implementations(torch: Any, direction: str) -> dict[str, Callable[..., Calla
     """Each entry takes (q, k, v, dout, causal, mask) as numpy arrays (mask None or a ``MASKS``
     array) and returns a zero-argument runner of the forward, or of forward + backward."""
 
-    def fastattn_cpu(q, k, v, dout, causal, mask=None):
-        options = dict(causal=causal, mask=mask, backend="cpu")
+    def fastattn_cpu(q, k, v, dout, causal, mask=None, layout="bhsd"):
+        options: dict[str, Any] = dict(causal=causal, mask=mask, backend="cpu")
+        if layout != "bhsd":
+            q, k, v, dout = (x.transpose(0, 2, 1, 3) for x in (q, k, v, dout))
+            options["layout"] = "bshd"
         if direction == "forward":
             return lambda: fastattn.attention(q, k, v, **options)
 
@@ -344,7 +355,7 @@ def implementations(torch: Any, direction: str) -> dict[str, Callable[..., Calla
 
         return both
 
-    def numpy_naive(q, k, v, dout, causal, mask=None):
+    def numpy_naive(q, k, v, dout, causal, mask=None, layout="bhsd"):
         if mask is not None:
             raise ValueError("numpy naive runs unmasked cases only")
         if direction == "forward":
@@ -354,7 +365,7 @@ def implementations(torch: Any, direction: str) -> dict[str, Callable[..., Calla
     found = {"fastattn cpu": fastattn_cpu, "numpy naive": numpy_naive}
     if torch is not None:
 
-        def torch_sdpa(q, k, v, dout, causal, mask=None):
+        def torch_sdpa(q, k, v, dout, causal, mask=None, layout="bhsd"):
             sdpa = torch.nn.functional.scaled_dot_product_attention
             options: dict[str, Any] = dict(is_causal=causal, enable_gqa=q.shape[1] != k.shape[1])
             if mask is not None:
@@ -377,6 +388,19 @@ def implementations(torch: Any, direction: str) -> dict[str, Callable[..., Calla
     return found
 
 
+def laid_out(layout: str, q: np.ndarray, k: np.ndarray, v: np.ndarray, dout: np.ndarray) -> list[np.ndarray]:
+    """(B, H, S, D) views of copies of q, k, v, dout in ``layout``'s memory order (``LAYOUTS``)."""
+    if layout == "bhsd":
+        return [q, k, v, dout]
+    token_major = [np.ascontiguousarray(x.transpose(0, 2, 1, 3)) for x in (q, k, v, dout)]
+    if layout == "kv-cache":
+        batch, seq_k, heads_kv, dim = token_major[1].shape
+        cache = KVCache(batch, seq_k, heads_kv, dim, dtype=k.dtype)
+        cache.append(token_major[1], token_major[2])
+        token_major[1:3] = cache.view()
+    return [x.transpose(0, 2, 1, 3) for x in token_major]
+
+
 def run_case(
     name: str,
     direction: str,
@@ -384,24 +408,26 @@ def run_case(
     repeats: int,
     dtype: str = "float32",
     mask_kind: str = "none",
+    layout: str = "bhsd",
 ) -> list[dict[str, Any]]:
-    """Time one case: every implementation in ``impls``, interleaved.  With a ``mask_kind`` other
-    than "none" each runs under that mask, and fastattn also runs unmasked ("fastattn cpu
-    unmasked") in the same rounds, the baseline of the mask's cost."""
+    """Time one case: every implementation in ``impls``, interleaved, on inputs in ``layout``'s
+    memory order.  With a ``mask_kind`` other than "none" each runs under that mask, and fastattn
+    also runs unmasked ("fastattn cpu unmasked") in the same rounds, the baseline of the mask's cost."""
     batch, heads_q, heads_kv, seq_q, seq_k, dim, causal = CASES[name]
     rng = np.random.default_rng(1)
-    q, k, v, dout = (
+    q, k, v, dout = laid_out(layout, *(
         rng.standard_normal(shape, dtype=np.float32).astype(DTYPES[dtype])
         for shape in ((batch, heads_q, seq_q, dim), (batch, heads_kv, seq_k, dim), (batch, heads_kv, seq_k, dim),
                       (batch, heads_q, seq_q, dim))
-    )
+    ))
     mask = make_mask(mask_kind, batch, heads_q, seq_q, seq_k, DTYPES[dtype])
     flops = forward_flops(batch, heads_q, seq_q, seq_k, dim, causal) * (3.5 if direction == "forward+backward" else 1)
     kv_bytes = k.nbytes + v.nbytes
-    print(f"  {name} {direction}" + ("" if mask is None else f" mask {mask_kind}"), file=sys.stderr, flush=True)
-    runs = {label: make(q, k, v, dout, causal, mask) for label, make in impls.items()}
+    print(f"  {name} {direction}" + ("" if mask is None else f" mask {mask_kind}") +
+          ("" if layout == "bhsd" else f" layout {layout}"), file=sys.stderr, flush=True)
+    runs = {label: make(q, k, v, dout, causal, mask, layout) for label, make in impls.items()}
     if mask is not None and "fastattn cpu" in impls:
-        runs["fastattn cpu unmasked"] = impls["fastattn cpu"](q, k, v, dout, causal)
+        runs["fastattn cpu unmasked"] = impls["fastattn cpu"](q, k, v, dout, causal, None, layout)
     if direction == "forward" and seq_q <= DECODE_ROWS and "fastattn cpu" in impls:
         read = streaming_read(kv_bytes, fastattn.get_num_threads())
         if read is not None:
@@ -412,6 +438,7 @@ def run_case(
             "case": name,
             "pass": direction,
             "mask": mask_kind,
+            "layout": layout,
             "implementation": label,
             "median_ms": 1e3 * seconds,
             "gflops": None if label == STREAMING_READ else flops / seconds / 1e9,
@@ -471,8 +498,8 @@ def memory_case(direction: str) -> dict[str, Any]:
     return dict(json.loads(result.stdout.strip().splitlines()[-1]), direction=direction)
 
 
-def _key(row: dict[str, Any]) -> tuple[str, str, str]:
-    return row["case"], row["pass"], row.get("mask", "none")
+def _key(row: dict[str, Any]) -> tuple[str, str, str, str]:
+    return row["case"], row["pass"], row.get("mask", "none"), row.get("layout", "bhsd")
 
 
 def format_table(rows: list[dict[str, Any]], ceiling: dict[str, float], dtype: str = "float32") -> str:
@@ -492,8 +519,8 @@ def format_table(rows: list[dict[str, Any]], ceiling: dict[str, float], dtype: s
         gflops = math.nan if row["gflops"] is None else row["gflops"]
         fma = gflops / ceiling.get("fma peak", math.nan)
         read = row["kv_gbytes_per_s"] / streamed.get(_key(row), ceiling.get("read bandwidth", math.nan))
-        mask = row.get("mask", "none")
-        case = row["case"] if mask == "none" else f"{row['case']}/{mask}"
+        mask, layout = row.get("mask", "none"), row.get("layout", "bhsd")
+        case = row["case"] + ("" if mask == "none" else f"/{mask}") + ("" if layout == "bhsd" else f"/{layout}")
         lines.append(
             f"{case:<15} {row['pass']:<16} {row['implementation']:<21} {row['median_ms']:>9.2f} "
             f"{gflops:>8.1f} {row['kv_gbytes_per_s']:>8.1f} {ratio:>8.2f}x {gflops / ceiling['gemm']:>8.0%} "
@@ -508,8 +535,8 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, float]:
     by_key = {(_key(r), r["implementation"]): r["median_ms"] for r in rows}
     ratios: dict[str, float] = {}
     for (key, label), ms in by_key.items():
-        case, direction, mask = key
-        name = f"{case} {direction}" + ("" if mask == "none" else f" {mask}")
+        case, direction, mask, layout = key
+        name = f"{case} {direction}" + ("" if mask == "none" else f" {mask}") + ("" if layout == "bhsd" else f" {layout}")
         if label == "fastattn cpu" and (key, "torch sdpa") in by_key:
             ratios[name] = by_key[(key, "torch sdpa")] / ms
         if label == "fastattn cpu" and (key, "fastattn cpu unmasked") in by_key:
@@ -548,6 +575,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--warmups", type=int, default=WARMUPS, help=f"untimed runs after each pause (default {WARMUPS})"
     )
+    parser.add_argument(
+        "--layouts", nargs="+", default=["bhsd"], choices=LAYOUTS,
+        help="memory orders of the inputs to time (default bhsd; see LAYOUTS)",
+    )
     parser.add_argument("--memory", action="store_true", help="also run the 32768-token memory case")
     parser.add_argument("--json", type=Path, help="output path (default benchmarks/results/cpu-<date>.json)")
     arguments = parser.parse_args(argv)
@@ -574,7 +605,8 @@ def main(argv: list[str] | None = None) -> int:
                 continue  # decode (Sq = 1) is an inference path: forward only
             for mask_kind in arguments.masks:
                 chosen = {label: make for label, make in impls.items() if mask_kind == "none" or label != "numpy naive"}
-                rows.extend(run_case(name, direction, chosen, arguments.repeats, arguments.dtype, mask_kind))
+                for layout in arguments.layouts:
+                    rows.extend(run_case(name, direction, chosen, arguments.repeats, arguments.dtype, mask_kind, layout))
     machine = machine_description()
     print(f"CPU: {machine.get('model_name')} (family {machine.get('family')}, model {machine.get('model')}), "
           f"{machine['cores']} logical CPUs, {fastattn.get_num_threads()} threads; fastattn level {machine['fastattn_isa']}")
