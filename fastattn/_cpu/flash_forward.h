@@ -409,10 +409,14 @@ static inline void write_row(const FwdParams& p, int64_t b, int64_t h, int64_t i
         return;
     }
     In* dst = reinterpret_cast<In*>(p.out) + b * p.out_stride[0] + h * p.out_stride[1] + i * p.out_stride[2];
-    for (int64_t c = 0; c < Dv; ++c) {
-        const T value = acc[c * acc_stride] * inverse;
-        note_stored(p, value);
-        dst[c] = Store<In>::from(value);
+    if (acc_stride == 1) { /* the decode's rows: a vector pass (element by element it took 5% of a decode) */
+        if (!store_row<T, In>(acc, inverse, dst, Dv)) note_stored(p, std::numeric_limits<double>::quiet_NaN());
+    } else {
+        for (int64_t c = 0; c < Dv; ++c) {
+            const T value = acc[c * acc_stride] * inverse;
+            note_stored(p, value);
+            dst[c] = Store<In>::from(value);
+        }
     }
     *(reinterpret_cast<T*>(p.lse) + b * p.lse_stride[0] + h * p.lse_stride[1] + i * p.lse_stride[2]) = lse;
 }
