@@ -145,6 +145,51 @@ def test_plan_splits_keys_only_when_threads_would_idle() -> None:
     assert cpu_backend.plan(problem(1, 2, 512, 512), 2) == (cpu_backend.TILE_ROWS // 4, 1)
 
 
+#: Token-major decodes, run over groups of kv heads (3 kv heads of GQA group 2, 1 query, 701 keys:
+#: a partial last tile of HEAD_GROUP_KEY_TILE keys, D = 64, Dv = 48) with each contract feature.
+HEAD_GROUP_CASES = {
+    "plain": {},
+    "gqa-4-two-queries-causal": {"group": 4, "seq_q": 2, "causal": "bottom_right"},
+    "key-lengths-window-softcap": {"key_lengths": (701, 130), "window": (200, 0), "causal": "bottom_right",
+                                   "softcap": 6.0},
+    "full-bool-mask": {"mask_kind": "bool", "mask_shape": (2, 6, 1, 701)},
+    "float-key-mask": {"mask_kind": "float", "mask_shape": (2, 1, 1, 701)},
+    "strided-views": {"strided": "strided"},
+    "one-batch-row-split-keys": {"batch": 1, "key_lengths": (513,)},
+}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("options", list(HEAD_GROUP_CASES.values()), ids=list(HEAD_GROUP_CASES))
+def test_token_major_decode_over_kv_head_groups_matches_oracle(options, dtype, threads) -> None:
+    """``layout="bshd"`` decodes on the vector kernel take every kv head in one item, tile by tile
+    (``forward_heads_dot``): the contiguous-run prefetch where the heads lie back to back, the
+    next head's rows where they do not (strided views), split keys for a single batch row."""
+    base = {
+        "batch": 2, "heads_kv": 3, "group": 2, "seq_q": 1, "seq_k": 701, "head_dim": 64, "head_dim_v": 48,
+        "dtype": dtype, "layout": "bshd", "causal": False, "window": None, "mask_kind": None,
+        "mask_shape": None, "key_lengths": None, "softcap": None, "scale": None, "strided": "contiguous",
+        "seed": int(np.random.default_rng().integers(2**32)),
+    }
+    case = Case(**{**base, **options})
+    numpy_dtype = fastattn._arrays.numpy_dtype(dtype)
+    q = np.zeros((case.batch, case.seq_q, case.heads_q, case.head_dim), numpy_dtype)
+    k = np.zeros((case.batch, case.seq_k, case.heads_kv, case.head_dim), numpy_dtype)
+    v = np.zeros((case.batch, case.seq_k, case.heads_kv, case.head_dim_v), numpy_dtype)
+    problem = fastattn.explain(q, k, v, layout="bshd").problem
+    kernel = _flash.forward_kernel(problem, case.seq_q, cpu_backend.KEY_TILE)
+    if dtype != "bfloat16":
+        assert kernel == "vector-decode"
+    grouped = kernel == "vector-decode"
+    assert cpu_backend.decode_head_group(problem, cpu_backend.KEY_TILE) == (case.heads_kv if grouped else 1)
+    expected_tile = cpu_backend.HEAD_GROUP_KEY_TILE if grouped else cpu_backend.KEY_TILE
+    assert cpu_backend.tile_sizes(problem, 2) == (cpu_backend.TILE_ROWS, expected_tile)
+    if case.batch == 1:
+        assert cpu_backend.plan(problem, 2)[1] > 1, "expected the keys split across threads"
+    fastattn.set_num_threads(2)
+    check_forward("cpu", "cpu", case)
+
+
 def _bfloat16_case(options: dict, **fields) -> Case:
     """A bfloat16 case of 2 batch rows x 2 kv heads (group 2, 300 positions, 600 keys, D = Dv = 64 by
     default), ``fields`` then ``options`` over that, a fresh seed."""

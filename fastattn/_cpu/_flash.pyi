@@ -10,7 +10,13 @@ def backward_kernel(problem: AttentionProblem, block_queries: int, key_tile: int
 
 class ForwardPlan:
     def __init__(
-        self, problem: AttentionProblem, block_queries: int, key_tile: int, splits: int, threads: int
+        self,
+        problem: AttentionProblem,
+        block_queries: int,
+        key_tile: int,
+        splits: int,
+        threads: int,
+        head_group: int = 1,
     ) -> None: ...
     @property
     def threads(self) -> int: ...

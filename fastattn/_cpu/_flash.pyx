@@ -66,6 +66,7 @@ cdef extern from "params.h" namespace "fastattn" nogil:
         int64_t query_blocks
         int64_t key_tile
         int64_t splits
+        int64_t head_group
         char* partial_out
         char* partial_lse
         char* packed_values
@@ -238,6 +239,7 @@ cdef void _fill_from_problem(FwdParams* p, problem, int64_t block_queries, int64
     p.query_blocks = (p.seq_q + block_queries - 1) // block_queries
     p.key_tile = key_tile
     p.splits = 1
+    p.head_group = 1
     p.dropout_p = problem.dropout_p
     p.dropout_threshold = <unsigned long long> (problem.dropout_p * 4294967296.0)
 
@@ -323,6 +325,8 @@ cdef class ForwardPlan:
         Query positions per work item, keys per tile, key splits per item (decode).
     threads : int
         OpenMP threads for the parallel regions (capped at the number of work items).
+    head_group : int
+        Kv heads per decode item (1, or all of them for token-major K/V: see flash_forward.h).
     """
 
     cdef FwdParams template
@@ -338,9 +342,11 @@ cdef class ForwardPlan:
     cdef int typenum, lse_typenum
     cdef bint swap
 
-    def __init__(self, problem, int64_t block_queries, int64_t key_tile, int64_t splits, int threads):
+    def __init__(self, problem, int64_t block_queries, int64_t key_tile, int64_t splits, int threads,
+                 int64_t head_group=1):
         _fill_from_problem(&self.template, problem, block_queries, key_tile)
         self.template.splits = splits
+        self.template.head_group = head_group
         self.kernels = _active
         self.items = forward_items(self.template)
         self.thread_count = max(1, min(threads, self.items))

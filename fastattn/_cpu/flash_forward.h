@@ -85,12 +85,20 @@ template <typename T> struct RowShape {
     }
 };
 
-/* Enough for forward_block (rows-as-lanes) and forward_block_dot (<= 8 rows) alike. */
+/* Bytes reserved for each kv head's state (DotHead) in a head group's scratch. */
+constexpr int64_t kDotHeadStateBytes = 512;
+
+/* Enough for forward_block (rows-as-lanes) and forward_block_dot (<= 8 rows) alike, and for a group
+ * of kv heads' states and scratch (forward_heads_dot). */
 template <typename T> static size_t scratch_elements(const FwdParams& p) {
     RowShape<T> shape(p.group * p.block_queries);
     int64_t mp = std::max<int64_t>(shape.padded, 8), n = p.key_tile;
-    return (size_t)(mp * p.head_dim + n * mp + p.head_dim_v * mp + 3 * mp + n * (p.head_dim + p.head_dim_v) +
-                    4 * lanes<T>());
+    const int64_t one = mp * p.head_dim + n * mp + p.head_dim_v * mp + 3 * mp + n * (p.head_dim + p.head_dim_v) +
+                        4 * lanes<T>();
+    const int64_t rows = p.group * p.block_queries;
+    const int64_t per_head = rows * (p.head_dim + n + p.head_dim_v) + lanes<T>() * p.head_dim +
+                             kDotHeadStateBytes / (int64_t)sizeof(T);
+    return (size_t)std::max(one, forward_head_group(p) * per_head);
 }
 
 /* The K and V rows of a tile, handed to the prefetcher a few cache lines per call, so that the
@@ -124,6 +132,21 @@ template <typename In> struct SpreadPrefetch {
           k_end(k + n * k_stride),
           v_cursor(line_start(v)),
           v_end(v + n * v_stride) {}
+
+    /* Two explicit runs of bytes, [k_first, k_last) and [v_first, v_last): a share of a token block. */
+    SpreadPrefetch(const char* k_first, const char* k_last, const char* v_first, const char* v_last)
+        : k(k_first),
+          v(v_first),
+          k_stride(0),
+          v_stride(0),
+          k_lines(0),
+          v_lines(0),
+          keys(k_last > k_first || v_last > v_first ? 1 : 0),
+          runs(true),
+          k_cursor(line_start(k_first)),
+          k_end(k_last),
+          v_cursor(line_start(v_first)),
+          v_end(v_last) {}
 
     static const char* line_start(const char* address) {
         return reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(address) & ~uintptr_t(63));
@@ -708,100 +731,140 @@ static inline void softmax_rows(const FwdParams& p, T* s, int64_t N, int rows, i
     if (p.dropout_p > 0) dropout_tile<T>(p, s, 1, N, rows, n, kt, b, kvh, q0, qn, false);
 }
 
+/* One kv head's rows of a decode item: scratch (q [R][D] scaled, s [R][N], o [R][Dv], and k_block
+ * [L][D], K rows converted where the level converts element by element) and the running softmax. */
+template <typename T, int R> struct DotHead {
+    T* q;
+    T* s;
+    T* o;
+    T* k_block;
+    int64_t kvh;
+    T row_max[R], row_sum[R], position[R];
+    int64_t head[R], query[R];
+};
+
+/* Elements of one DotHead's scratch. */
+template <typename T> static inline int64_t dot_head_elements(const FwdParams& p, int64_t rows) {
+    return rows * (p.head_dim + p.key_tile + p.head_dim_v) + Vec<T>::lanes * p.head_dim;
+}
+
 template <typename T, typename In, int R>
-static void forward_block_dot(const FwdParams& p, T* scratch, int64_t b, int64_t kvh, int64_t q0, int64_t qn,
-                              int64_t k_begin, int64_t k_end, T* partial_out, T* partial_lse) {
+static void dot_start(const FwdParams& p, DotHead<T, R>& h, T* scratch, int64_t b, int64_t kvh, int64_t q0,
+                      int64_t qn) {
+    const int64_t D = p.head_dim, Dv = p.head_dim_v;
+    h.q = scratch;
+    h.s = h.q + R * D;
+    h.o = h.s + R * p.key_tile;
+    h.k_block = h.o + R * Dv;
+    h.kvh = kvh;
+    start_rows<T>(p, kvh, q0, qn, R, h.head, h.query, h.position, h.row_max, h.row_sum);
+    const T scale = (T)p.scale;
+    for (int r = 0; r < R; ++r) {
+        convert_row(at<In>(p.q, b * p.q_stride[0] + h.head[r] * p.q_stride[1] + h.query[r] * p.q_stride[2]),
+                    h.q + r * D, D);
+        for (int64_t d = 0; d < D; ++d) h.q[r * D + d] *= scale;
+    }
+    std::memset(h.o, 0, sizeof(T) * R * Dv);
+}
+
+/* Keys kt..kt+n of head h: scores, softmax, O += P V; `ahead` (SpreadPrefetch) hands its lines to
+ * the prefetcher spread over the tile's work. */
+template <typename T, typename In, int R>
+static void dot_tile(const FwdParams& p, DotHead<T, R>& h, int64_t b, int64_t q0, int64_t qn, int64_t kt, int64_t n,
+                     SpreadPrefetch<In> ahead) {
     typedef typename Vec<T>::type V;
     constexpr int L = Vec<T>::lanes;
     constexpr int CB = R >= 8 ? 2 : R >= 4 ? 4 : 8; /* O columns (vectors) held per row */
     const int64_t D = p.head_dim, Dv = p.head_dim_v, N = p.key_tile;
     const int64_t d_main = D / L * L, dv_main = Dv / (L * CB) * (L * CB);
+    const bool skip = p.skip_zero_weights != 0;
+    T* q = h.q;
+    T* s = h.s;
+    T* o = h.o;
 
-    T* q = scratch;               /* [R][D], scaled */
-    T* s = q + R * D;             /* [R][N] */
-    T* o = s + R * N;             /* [R][Dv] */
-    T* k_block = o + R * Dv;      /* [L][D]: a block of K rows converted (levels without vector conversions) */
-    T row_max[R], row_sum[R], position[R];
-    int64_t head[R], query[R];
+    /* K and V are read where they are; half-precision rows are converted as they are used, in
+     * registers (once per score block of rows), or where the level converts element by element,
+     * K a block of L rows at a time into L1 scratch, as every row reads it. */
+    const In* k_rows = at<In>(p.k, b * p.k_stride[0] + h.kvh * p.k_stride[1] + kt * p.k_stride[2]);
+    const In* v_rows = at<In>(p.v, b * p.v_stride[0] + h.kvh * p.v_stride[1] + kt * p.v_stride[2]);
+    const int64_t k_row_stride = p.k_stride[2], v_row_stride = p.v_stride[2];
+    /* issue(steps) hands over `steps` calls' share of `ahead`: D / L for a score block (R / RB blocks
+     * per L keys), 1 for each value row. */
+    const int64_t calls = std::max<int64_t>(1, R * (n / L) * (D / L) + dv_main / (CB * L) * n);
+    const int64_t lines_per_call = (ahead.total_lines() + calls - 1) / calls;
+    auto issue = [&](int64_t steps) __attribute__((always_inline)) { ahead.issue(lines_per_call * steps); };
 
-    start_rows<T>(p, kvh, q0, qn, R, head, query, position, row_max, row_sum);
-    const T scale = (T)p.scale;
-    for (int r = 0; r < R; ++r) {
-        convert_row(at<In>(p.q, b * p.q_stride[0] + head[r] * p.q_stride[1] + query[r] * p.q_stride[2]), q + r * D, D);
-        for (int64_t d = 0; d < D; ++d) q[r * D + d] *= scale;
+    /* Scores: dot products along D.  Full blocks of L keys run as blocks of rows x keys whose L
+     * accumulators are reduced together (dot_scores); the rest take one horizontal sum per score. */
+    int64_t j_done = 0;
+    if (d_main == D) {
+        for (; j_done + L <= n; j_done += L) {
+            if constexpr (converts_in_registers<T, In>()) {
+                dot_scores<T, kDotRowBlock<T>>(R, q, D, k_rows + j_done * k_row_stride, k_row_stride, s + j_done, N,
+                                               issue);
+            } else {
+                for (int jj = 0; jj < L; ++jj)
+                    convert_row(k_rows + (j_done + jj) * k_row_stride, h.k_block + jj * D, D);
+                dot_scores<T, kDotRowBlock<T>>(R, q, D, h.k_block, D, s + j_done, N, issue);
+            }
+        }
     }
-    std::memset(o, 0, sizeof(T) * R * Dv);
+    for (int64_t j = j_done; j < n; ++j) {
+        const In* key = k_rows + j * k_row_stride;
+        V acc[R];
+        for (int r = 0; r < R; ++r) acc[r] = V{};
+        for (int64_t d = 0; d < d_main; d += L) {
+            const V kv = load_vector<T>(key + d);
+            for (int r = 0; r < R; ++r) acc[r] += kv * vload<V>(q + r * D + d);
+        }
+        for (int r = 0; r < R; ++r) {
+            T total = vsum<T>(acc[r]);
+            for (int64_t d = d_main; d < D; ++d) total += load_as<T>(key[d]) * q[r * D + d];
+            s[r * N + j] = total;
+        }
+    }
 
+    softmax_rows<T>(p, s, N, R, n, kt, b, h.kvh, q0, qn, h.head, h.query, h.position, h.row_max, h.row_sum, o);
+
+    /* O[r][:] += P[r][j] V[j][:], CB vectors of each row's O in registers. */
+    for (int64_t c = 0; c < dv_main; c += CB * L) {
+        if (skip)
+            accumulate_pv<T, In, R, CB, true>(o + c, Dv, s, N, v_rows + c, v_row_stride, n, issue);
+        else
+            accumulate_pv<T, In, R, CB, false>(o + c, Dv, s, N, v_rows + c, v_row_stride, n, issue);
+    }
+    for (int64_t j = 0; dv_main < Dv && j < n; ++j) {
+        const In* value = v_rows + j * v_row_stride;
+        for (int r = 0; r < R; ++r) {
+            if (skip && s[r * N + j] == T(0)) continue;
+            for (int64_t c = dv_main; c < Dv; ++c) o[r * Dv + c] += s[r * N + j] * load_as<T>(value[c]);
+        }
+    }
+}
+
+template <typename T, typename In, int R>
+static void dot_finish(const FwdParams& p, const DotHead<T, R>& h, int64_t b, T* partial_out, T* partial_lse) {
+    for (int r = 0; r < R; ++r)
+        write_row<T, In>(p, b, h.head[r], h.query[r], r, h.o + r * p.head_dim_v, 1, h.row_max[r], h.row_sum[r],
+                         partial_out, partial_lse);
+}
+
+template <typename T, typename In, int R>
+static void forward_block_dot(const FwdParams& p, T* scratch, int64_t b, int64_t kvh, int64_t q0, int64_t qn,
+                              int64_t k_begin, int64_t k_end, T* partial_out, T* partial_lse) {
+    const int64_t N = p.key_tile;
+    DotHead<T, R> h;
+    dot_start<T, In, R>(p, h, scratch, b, kvh, q0, qn);
     int64_t lo, hi;
     visible_keys(p, b, q0, qn, k_begin, k_end, &lo, &hi);
-    const bool skip = p.skip_zero_weights != 0;
-
     for (int64_t kt = lo; kt < hi; kt += N) {
         const int64_t n = std::min(N, hi - kt);
         if (p.mask_kind != MASK_NONE && mask_hides_tile(p, b, kvh, q0, qn, kt, n)) continue;
-        /* K and V are read where they are; half-precision rows are converted as they are used, in
-         * registers (once per score block of rows), or where the level converts element by element,
-         * K a block of L rows at a time into L1 scratch, as every row reads it. */
-        const In* k_rows = at<In>(p.k, b * p.k_stride[0] + kvh * p.k_stride[1] + kt * p.k_stride[2]);
-        const In* v_rows = at<In>(p.v, b * p.v_stride[0] + kvh * p.v_stride[1] + kt * p.v_stride[2]);
-        const int64_t k_row_stride = p.k_stride[2], v_row_stride = p.v_stride[2];
-        /* The next tile's rows, spread over this tile's work: issue(steps) hands over `steps` calls'
-         * share, D / L for a score block (R / RB blocks per L keys), 1 for each value row. */
+        /* The next tile's rows, spread over this tile's work. */
         SpreadPrefetch<In> ahead(p, b, kvh, kt + N, kt + N < hi ? std::min(N, hi - kt - N) : 0);
-        const int64_t calls = std::max<int64_t>(1, R * (n / L) * (D / L) + dv_main / (CB * L) * n);
-        const int64_t lines_per_call = (ahead.total_lines() + calls - 1) / calls;
-        auto issue = [&](int64_t steps) { ahead.issue(lines_per_call * steps); };
-
-        /* Scores: dot products along D.  Full blocks of L keys run as blocks of rows x keys whose L
-         * accumulators are reduced together (dot_scores); the rest take one horizontal sum per score. */
-        int64_t j_done = 0;
-        if (d_main == D) {
-            for (; j_done + L <= n; j_done += L) {
-                if constexpr (converts_in_registers<T, In>()) {
-                    dot_scores<T, kDotRowBlock<T>>(R, q, D, k_rows + j_done * k_row_stride, k_row_stride, s + j_done, N,
-                                                   issue);
-                } else {
-                    for (int jj = 0; jj < L; ++jj)
-                        convert_row(k_rows + (j_done + jj) * k_row_stride, k_block + jj * D, D);
-                    dot_scores<T, kDotRowBlock<T>>(R, q, D, k_block, D, s + j_done, N, issue);
-                }
-            }
-        }
-        for (int64_t j = j_done; j < n; ++j) {
-            const In* key = k_rows + j * k_row_stride;
-            V acc[R];
-            for (int r = 0; r < R; ++r) acc[r] = V{};
-            for (int64_t d = 0; d < d_main; d += L) {
-                const V kv = load_vector<T>(key + d);
-                for (int r = 0; r < R; ++r) acc[r] += kv * vload<V>(q + r * D + d);
-            }
-            for (int r = 0; r < R; ++r) {
-                T total = vsum<T>(acc[r]);
-                for (int64_t d = d_main; d < D; ++d) total += load_as<T>(key[d]) * q[r * D + d];
-                s[r * N + j] = total;
-            }
-        }
-
-        softmax_rows<T>(p, s, N, R, n, kt, b, kvh, q0, qn, head, query, position, row_max, row_sum, o);
-
-        /* O[r][:] += P[r][j] V[j][:], CB vectors of each row's O in registers. */
-        for (int64_t c = 0; c < dv_main; c += CB * L) {
-            if (skip)
-                accumulate_pv<T, In, R, CB, true>(o + c, Dv, s, N, v_rows + c, v_row_stride, n, issue);
-            else
-                accumulate_pv<T, In, R, CB, false>(o + c, Dv, s, N, v_rows + c, v_row_stride, n, issue);
-        }
-        for (int64_t j = 0; dv_main < Dv && j < n; ++j) {
-            const In* value = v_rows + j * v_row_stride;
-            for (int r = 0; r < R; ++r) {
-                if (skip && s[r * N + j] == T(0)) continue;
-                for (int64_t c = dv_main; c < Dv; ++c) o[r * Dv + c] += s[r * N + j] * load_as<T>(value[c]);
-            }
-        }
+        dot_tile<T, In, R>(p, h, b, q0, qn, kt, n, ahead);
     }
-
-    for (int r = 0; r < R; ++r)
-        write_row<T, In>(p, b, head[r], query[r], r, o + r * Dv, 1, row_max[r], row_sum[r], partial_out, partial_lse);
+    dot_finish<T, In, R>(p, h, b, partial_out, partial_lse);
 }
 
 /* ---- items, dispatch and the split-KV combine ------------------------------------------------------ */
@@ -821,8 +884,8 @@ static inline ItemIndex decode_item(const FwdParams& p, int64_t item) {
     item /= p.splits;
     index.qb = p.query_blocks - 1 - item % p.query_blocks;
     item /= p.query_blocks;
-    index.kvh = item % p.heads_kv;
-    index.b = item / p.heads_kv;
+    index.kvh = item % forward_head_groups(p) * forward_head_group(p); /* the group's first head */
+    index.b = item / forward_head_groups(p);
     return index;
 }
 
@@ -871,38 +934,84 @@ static inline ForwardKernel forward_kernel_of(const FwdParams& p, int64_t rows) 
     return rows <= kDotMaxRows ? KERNEL_VECTOR_DECODE : KERNEL_VECTOR;
 }
 
-template <typename T, typename In>
-static void run_item(const FwdParams& p, char* scratch, int64_t item) {
-    const ItemIndex index = decode_item(p, item);
-    const int64_t q0 = index.qb * p.block_queries;
-    const int64_t qn = std::min(p.block_queries, p.seq_q - q0);
+/* Where head kvh's rows of item `index` go when the keys are split (slot (b, kvh, qb, split) of the
+ * partials, their lse reset to -inf), else nullptr. */
+template <typename T>
+static inline void split_partials(const FwdParams& p, const ItemIndex& index, int64_t kvh, T** out, T** lse) {
+    *out = *lse = nullptr;
+    if (p.splits <= 1) return;
     const int64_t rows = p.group * p.block_queries;
-    T* partial_out = nullptr;
-    T* partial_lse = nullptr;
-    int64_t k_begin = 0, k_end = p.seq_k;
-    if (p.splits > 1) {
-        const int64_t slot = ((index.b * p.heads_kv + index.kvh) * p.query_blocks + index.qb) * p.splits + index.split;
-        partial_out = reinterpret_cast<T*>(p.partial_out) + slot * rows * p.head_dim_v;
-        partial_lse = reinterpret_cast<T*>(p.partial_lse) + slot * rows;
-        k_begin = index.split * split_length(p);
-        k_end = std::min(p.seq_k, k_begin + split_length(p));
-        for (int64_t r = 0; r < rows; ++r) partial_lse[r] = -std::numeric_limits<T>::infinity();
+    const int64_t slot = ((index.b * p.heads_kv + kvh) * p.query_blocks + index.qb) * p.splits + index.split;
+    *out = reinterpret_cast<T*>(p.partial_out) + slot * rows * p.head_dim_v;
+    *lse = reinterpret_cast<T*>(p.partial_lse) + slot * rows;
+    for (int64_t r = 0; r < rows; ++r) (*lse)[r] = -std::numeric_limits<T>::infinity();
+}
+
+/* The decode over a group of kv heads (p.head_group > 1), for token-major K and V, (B, S, H, D):
+ * there a head's consecutive tokens lie H * D elements apart, and a head-by-head sweep reads a
+ * few lines of every token row: on a 2-core Zen 5 a plain streaming read in that pattern (one
+ * head's 256-byte rows 2 KB apart) reaches 29-33 GB/s where a contiguous one reaches 48-65.  Here
+ * each key tile runs head after head (a DotHead apiece: its rows' scratch and softmax state), and
+ * while head g computes, the prefetcher takes the g-th share of the next tile's token rows, which
+ * hold every head of the group back to back: the memory sees one contiguous run per tile.  Where
+ * the group's rows are not one run (other strides) each head prefetches the next head's tile. */
+template <typename T, typename In, int R>
+static void forward_heads_dot(const FwdParams& p, char* scratch, const ItemIndex& index, int64_t heads, int64_t q0,
+                              int64_t qn, int64_t k_begin, int64_t k_end) {
+    static_assert(sizeof(DotHead<T, kDotMaxRows>) <= (size_t)kDotHeadStateBytes, "a head's state outgrew its room");
+    const int64_t N = p.key_tile, element = (int64_t)sizeof(In), b = index.b, first = index.kvh;
+    DotHead<T, R>* group = reinterpret_cast<DotHead<T, R>*>(scratch);
+    T* data = reinterpret_cast<T*>(scratch + heads * kDotHeadStateBytes);
+    for (int64_t g = 0; g < heads; ++g)
+        dot_start<T, In, R>(p, group[g], data + g * dot_head_elements<T>(p, R), b, first + g, q0, qn);
+    int64_t lo, hi;
+    visible_keys(p, b, q0, qn, k_begin, k_end, &lo, &hi);
+    const bool one_run = p.k_stride[1] == p.head_dim && p.v_stride[1] == p.head_dim_v &&
+                         p.k_stride[2] == heads * p.head_dim && p.v_stride[2] == heads * p.head_dim_v;
+    for (int64_t kt = lo; kt < hi; kt += N) {
+        const int64_t n = std::min(N, hi - kt), next_n = kt + N < hi ? std::min(N, hi - kt - N) : 0;
+        const char* k_next = p.k + (b * p.k_stride[0] + first * p.k_stride[1] + (kt + N) * p.k_stride[2]) * element;
+        const char* v_next = p.v + (b * p.v_stride[0] + first * p.v_stride[1] + (kt + N) * p.v_stride[2]) * element;
+        const int64_t k_bytes = next_n * p.k_stride[2] * element, v_bytes = next_n * p.v_stride[2] * element;
+        for (int64_t g = 0; g < heads; ++g) {
+            if (p.mask_kind != MASK_NONE && mask_hides_tile(p, b, first + g, q0, qn, kt, n)) continue;
+            if (one_run) {
+                dot_tile<T, In, R>(p, group[g], b, q0, qn, kt, n,
+                                   SpreadPrefetch<In>(k_next + k_bytes * g / heads, k_next + k_bytes * (g + 1) / heads,
+                                                      v_next + v_bytes * g / heads, v_next + v_bytes * (g + 1) / heads));
+            } else {
+                const bool last = g + 1 == heads;
+                dot_tile<T, In, R>(p, group[g], b, q0, qn, kt, n,
+                                   SpreadPrefetch<In>(p, b, last ? first : first + g + 1, last ? kt + N : kt,
+                                                      last ? next_n : n));
+            }
+        }
     }
+    for (int64_t g = 0; g < heads; ++g) {
+        T* partial_out;
+        T* partial_lse;
+        split_partials(p, index, first + g, &partial_out, &partial_lse);
+        dot_finish<T, In, R>(p, group[g], b, partial_out, partial_lse);
+    }
+}
+
+/* One kv head's rows of an item, on the kernel the rule picks. */
+template <typename T, typename In>
+static void run_head(const FwdParams& p, char* scratch, int64_t b, int64_t kvh, int64_t q0, int64_t qn,
+                     int64_t k_begin, int64_t k_end, T* partial_out, T* partial_lse) {
 #if defined(FASTATTN_HAS_AVX512BF16)
     if constexpr (std::is_same<In, bfloat16_bits>::value) {
         switch (forward_kernel_of(p, p.group * qn)) {
 #if defined(FASTATTN_HAS_AMX)
             case KERNEL_AMX:
-                return forward_block_amx(p, scratch, index.b, index.kvh, q0, qn, k_begin, k_end, partial_out, partial_lse);
+                return forward_block_amx(p, scratch, b, kvh, q0, qn, k_begin, k_end, partial_out, partial_lse);
             case KERNEL_AMX_DECODE:
-                return forward_decode_amx(p, scratch, index.b, index.kvh, q0, qn, k_begin, k_end, partial_out, partial_lse);
+                return forward_decode_amx(p, scratch, b, kvh, q0, qn, k_begin, k_end, partial_out, partial_lse);
 #else
             case KERNEL_DPBF16:
-                return forward_block_dpbf16(p, scratch, index.b, index.kvh, q0, qn, k_begin, k_end, partial_out,
-                                            partial_lse);
+                return forward_block_dpbf16(p, scratch, b, kvh, q0, qn, k_begin, k_end, partial_out, partial_lse);
             case KERNEL_DPBF16_DECODE:
-                return forward_decode_dpbf16(p, scratch, index.b, index.kvh, q0, qn, k_begin, k_end, partial_out,
-                                             partial_lse);
+                return forward_decode_dpbf16(p, scratch, b, kvh, q0, qn, k_begin, k_end, partial_out, partial_lse);
 #endif
             default: break;
         }
@@ -911,16 +1020,45 @@ static void run_item(const FwdParams& p, char* scratch, int64_t item) {
     T* buffer = reinterpret_cast<T*>(scratch);
     switch (p.group * qn) {
 #define FASTATTN_DOT_CASE(R) \
-    case R: return forward_block_dot<T, In, R>(p, buffer, index.b, index.kvh, q0, qn, k_begin, k_end, partial_out, partial_lse);
+    case R: return forward_block_dot<T, In, R>(p, buffer, b, kvh, q0, qn, k_begin, k_end, partial_out, partial_lse);
         FASTATTN_DOT_CASE(1) FASTATTN_DOT_CASE(2) FASTATTN_DOT_CASE(3) FASTATTN_DOT_CASE(4)
         FASTATTN_DOT_CASE(5) FASTATTN_DOT_CASE(6) FASTATTN_DOT_CASE(7) FASTATTN_DOT_CASE(8)
 #undef FASTATTN_DOT_CASE
         default: break;
     }
     if (RowShape<T>(p.group * qn).nv == 1)
-        forward_block<T, In, 1>(p, buffer, index.b, index.kvh, q0, qn, k_begin, k_end, partial_out, partial_lse);
+        forward_block<T, In, 1>(p, buffer, b, kvh, q0, qn, k_begin, k_end, partial_out, partial_lse);
     else
-        forward_block<T, In, 2>(p, buffer, index.b, index.kvh, q0, qn, k_begin, k_end, partial_out, partial_lse);
+        forward_block<T, In, 2>(p, buffer, b, kvh, q0, qn, k_begin, k_end, partial_out, partial_lse);
+}
+
+template <typename T, typename In>
+static void run_item(const FwdParams& p, char* scratch, int64_t item) {
+    const ItemIndex index = decode_item(p, item);
+    const int64_t q0 = index.qb * p.block_queries;
+    const int64_t qn = std::min(p.block_queries, p.seq_q - q0);
+    int64_t k_begin = 0, k_end = p.seq_k;
+    if (p.splits > 1) {
+        k_begin = index.split * split_length(p);
+        k_end = std::min(p.seq_k, k_begin + split_length(p));
+    }
+    const int64_t heads = std::min(forward_head_group(p), p.heads_kv - index.kvh);
+    if (heads > 1 && forward_kernel_of(p, p.group * qn) == KERNEL_VECTOR_DECODE) {
+        switch (p.group * qn) {
+#define FASTATTN_HEADS_CASE(R) \
+    case R: return forward_heads_dot<T, In, R>(p, scratch, index, heads, q0, qn, k_begin, k_end);
+            FASTATTN_HEADS_CASE(1) FASTATTN_HEADS_CASE(2) FASTATTN_HEADS_CASE(3) FASTATTN_HEADS_CASE(4)
+            FASTATTN_HEADS_CASE(5) FASTATTN_HEADS_CASE(6) FASTATTN_HEADS_CASE(7) FASTATTN_HEADS_CASE(8)
+#undef FASTATTN_HEADS_CASE
+            default: break;
+        }
+    }
+    for (int64_t kvh = index.kvh; kvh < index.kvh + heads; ++kvh) {
+        T* partial_out;
+        T* partial_lse;
+        split_partials(p, index, kvh, &partial_out, &partial_lse);
+        run_head<T, In>(p, scratch, index.b, kvh, q0, qn, k_begin, k_end, partial_out, partial_lse);
+    }
 }
 
 /* Merge the splits of one (b, kv head, query block) by their lse. */

@@ -37,6 +37,7 @@ struct FwdParams {
     int64_t query_blocks;       /* ceil(Sq / block_queries) */
     int64_t key_tile;
     int64_t splits;       /* key splits per (b, kv head, query block); > 1 only for decode */
+    int64_t head_group;   /* kv heads per decode item (0 or 1: one; token-major K/V: all, flash_forward.h) */
     char* partial_out;    /* splits > 1: [items][splits][rows][Dv] in the compute type */
     char* partial_lse;    /* splits > 1: [items][splits][rows] */
     char* packed_values;  /* bfloat16 on AMX: V^T of every key tile, packed once per call (flash_amx.h), or NULL */
@@ -48,11 +49,22 @@ struct FwdParams {
     unsigned long long dropout_threshold; /* keep iff word >= threshold (2^32 for p = 1) */
 };
 
-/* Work items of the forward: (batch, kv head, query block, key split). */
-static inline int64_t forward_items(const FwdParams& p) { return p.batch * p.heads_kv * p.query_blocks * p.splits; }
+/* Kv heads per forward item and the items' kv-head groups. */
+static inline int64_t forward_head_group(const FwdParams& p) { return p.head_group > 1 ? p.head_group : 1; }
+static inline int64_t forward_head_groups(const FwdParams& p) {
+    return (p.heads_kv + forward_head_group(p) - 1) / forward_head_group(p);
+}
 
-/* Rows of the split partials the decode path needs ([items][rows] of Dv outputs and one lse). */
-static inline int64_t forward_partial_rows(const FwdParams& p) { return forward_items(p) * p.group * p.block_queries; }
+/* Work items of the forward: (batch, group of kv heads, query block, key split). */
+static inline int64_t forward_items(const FwdParams& p) {
+    return p.batch * forward_head_groups(p) * p.query_blocks * p.splits;
+}
+
+/* Rows of the split partials the decode path needs ([b][kv head][query block][split][rows] of Dv
+ * outputs and one lse). */
+static inline int64_t forward_partial_rows(const FwdParams& p) {
+    return p.batch * p.heads_kv * p.query_blocks * p.splits * p.group * p.block_queries;
+}
 
 struct BwdParams {
     FwdParams f; /* q, k, v, the saved lse (read), sizes, flags, mask, key_lengths, tiles */
