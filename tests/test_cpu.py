@@ -146,9 +146,10 @@ def test_plan_splits_keys_only_when_threads_would_idle() -> None:
 
 
 #: Token-major decodes, run over groups of kv heads (3 kv heads of GQA group 2, 1 query, 701 keys:
-#: a partial last tile of HEAD_GROUP_KEY_TILE keys, D = 64, Dv = 48) with each contract feature.
+#: a partial last tile of HEAD_GROUP_KEY_TILE keys, D = 64, Dv = 96) with each contract feature.
 HEAD_GROUP_CASES = {
     "plain": {},
+    "value-dim-48": {"head_dim_v": 48},
     "gqa-4-two-queries-causal": {"group": 4, "seq_q": 2, "causal": "bottom_right"},
     "key-lengths-window-softcap": {"key_lengths": (701, 130), "window": (200, 0), "causal": "bottom_right",
                                    "softcap": 6.0},
@@ -162,11 +163,12 @@ HEAD_GROUP_CASES = {
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("options", list(HEAD_GROUP_CASES.values()), ids=list(HEAD_GROUP_CASES))
 def test_token_major_decode_over_kv_head_groups_matches_oracle(options, dtype, threads) -> None:
-    """``layout="bshd"`` decodes on the vector kernel take every kv head in one item, tile by tile
-    (``forward_heads_dot``): the contiguous-run prefetch where the heads lie back to back, the
-    next head's rows where they do not (strided views), split keys for a single batch row."""
+    """``layout="bshd"`` decodes on the float32-vector and `vdpbf16ps` kernels take every kv head in
+    one item, tile by tile (``forward_heads``): the contiguous-run prefetch where the heads lie back
+    to back, the next head's rows where they do not (strided views), split keys for a single batch
+    row.  (The amx level's decode runs head by head.)"""
     base = {
-        "batch": 2, "heads_kv": 3, "group": 2, "seq_q": 1, "seq_k": 701, "head_dim": 64, "head_dim_v": 48,
+        "batch": 2, "heads_kv": 3, "group": 2, "seq_q": 1, "seq_k": 701, "head_dim": 64, "head_dim_v": 96,
         "dtype": dtype, "layout": "bshd", "causal": False, "window": None, "mask_kind": None,
         "mask_shape": None, "key_lengths": None, "softcap": None, "scale": None, "strided": "contiguous",
         "seed": int(np.random.default_rng().integers(2**32)),
@@ -178,9 +180,9 @@ def test_token_major_decode_over_kv_head_groups_matches_oracle(options, dtype, t
     v = np.zeros((case.batch, case.seq_k, case.heads_kv, case.head_dim_v), numpy_dtype)
     problem = fastattn.explain(q, k, v, layout="bshd").problem
     kernel = _flash.forward_kernel(problem, case.seq_q, cpu_backend.KEY_TILE)
-    if dtype != "bfloat16":
-        assert kernel == "vector-decode"
-    grouped = kernel == "vector-decode"
+    pairs = dtype == "bfloat16" and isa.active() == "avx512bf16" and case.head_dim_v % 32 == 0
+    assert kernel == ("dpbf16-decode" if pairs else "vector-decode")
+    grouped = kernel in ("vector-decode", "dpbf16-decode")
     assert cpu_backend.decode_head_group(problem, cpu_backend.KEY_TILE) == (case.heads_kv if grouped else 1)
     expected_tile = cpu_backend.HEAD_GROUP_KEY_TILE if grouped else cpu_backend.KEY_TILE
     assert cpu_backend.tile_sizes(problem, 2) == (cpu_backend.TILE_ROWS, expected_tile)

@@ -522,51 +522,84 @@ static inline void deinterleave_columns(float* o, int64_t Dv) {
     }
 }
 
+/* One kv head's rows of a `vdpbf16ps` decode item: its buffers (PairBuffers, carved from its room)
+ * and the running softmax. */
+template <int R> struct PairHead {
+    PairBuffers buffers;
+    int64_t kvh;
+    float position[R], row_max[R], row_sum[R];
+    int64_t head[R], query[R];
+};
+
+/* The decode's steps on one head (forward_decode_dpbf16 runs them in turn; forward_heads, a group of
+ * kv heads tile by tile). */
+template <int R> struct PairKernel {
+    typedef float T;
+    typedef uint16_t In;
+    typedef PairHead<R> Head;
+    static constexpr int NV = R > 4 ? 2 : R > 2 ? 4 : 8; /* O vectors of 16 columns per row in registers */
+
+    static int64_t scratch_bytes(const FwdParams& p) { return PairBuffers::bytes(p); }
+
+    static void start(const FwdParams& p, Head& h, char* room, int64_t b, int64_t kvh, int64_t q0, int64_t qn) {
+        const int64_t D = p.head_dim;
+        h.buffers.carve(p, room);
+        h.kvh = kvh;
+        start_rows<float>(p, kvh, q0, qn, R, h.head, h.query, h.position, h.row_max, h.row_sum);
+        for (int r = 0; r < R; ++r)
+            std::memcpy(h.buffers.qb + r * D,
+                        at<uint16_t>(p.q, b * p.q_stride[0] + h.head[r] * p.q_stride[1] + h.query[r] * p.q_stride[2]),
+                        sizeof(uint16_t) * D);
+        std::memset(h.buffers.o, 0, sizeof(float) * R * p.head_dim_v);
+    }
+
+    static void tile(const FwdParams& p, Head& h, int64_t b, int64_t q0, int64_t qn, int64_t kt, int64_t n,
+                     const SpreadPrefetch<uint16_t>& next) {
+        SpreadPrefetch<uint16_t> ahead = next; /* a local: its cursors stay in registers */
+        const int64_t D = p.head_dim, Dv = p.head_dim_v, N = p.key_tile, pairs = (n + 1) / 2;
+        const int64_t dv_main = Dv / (16 * NV) * (16 * NV);
+        float* s = h.buffers.s;
+        float* o = h.buffers.o;
+        const uint16_t* k = at<uint16_t>(p.k, b * p.k_stride[0] + h.kvh * p.k_stride[1] + kt * p.k_stride[2]);
+        const uint16_t* v = at<uint16_t>(p.v, b * p.v_stride[0] + h.kvh * p.v_stride[1] + kt * p.v_stride[2]);
+        const int64_t calls = std::max<int64_t>(1, R * (n / 16) * (D / 32) + pairs * (Dv / (16 * NV)));
+        const int64_t lines_per_call = (ahead.total_lines() + calls - 1) / calls;
+        auto issue = [&]() __attribute__((always_inline)) { ahead.issue(lines_per_call); };
+
+        decode_scores<R>(h.buffers.qb, D, k, p.k_stride[2], n, s, N, (float)p.scale, issue);
+        softmax_rows<float>(p, s, N, R, n, kt, b, h.kvh, q0, qn, h.head, h.query, h.position, h.row_max, h.row_sum, o);
+        round_probability_rows(s, N, R, n, round_up(2 * pairs, 16), h.buffers.pb); /* an odd n's key n: 0 */
+        for (int64_t c = 0; c < dv_main; c += 16 * NV)
+            decode_values<R, NV>(h.buffers.pb, N, v + c, p.v_stride[2], n, o + c, Dv, issue);
+        for (int64_t c = dv_main; c < Dv; c += 32)
+            decode_values<R, 2>(h.buffers.pb, N, v + c, p.v_stride[2], n, o + c, Dv, issue);
+    }
+
+    static void finish(const FwdParams& p, const Head& h, int64_t b, float* partial_out, float* partial_lse) {
+        const int64_t Dv = p.head_dim_v;
+        for (int r = 0; r < R; ++r) {
+            deinterleave_columns(h.buffers.o + r * Dv, Dv);
+            write_row<float, bfloat16_bits>(p, b, h.head[r], h.query[r], r, h.buffers.o + r * Dv, 1, h.row_max[r],
+                                            h.row_sum[r], partial_out, partial_lse);
+        }
+    }
+};
+
 template <int R>
 static void forward_decode_dpbf16(const FwdParams& p, char* scratch, int64_t b, int64_t kvh, int64_t q0, int64_t qn,
                                   int64_t k_begin, int64_t k_end, float* partial_out, float* partial_lse) {
-    constexpr int NV = R > 4 ? 2 : R > 2 ? 4 : 8; /* O vectors of 16 columns per row in registers */
-    const int64_t D = p.head_dim, Dv = p.head_dim_v, N = p.key_tile;
-    const int64_t dv_main = Dv / (16 * NV) * (16 * NV);
-    PairBuffers buffers;
-    buffers.carve(p, scratch);
-    uint16_t* q = buffers.qb;             /* [R][D] */
-    float* s = buffers.s;                 /* [R][N] */
-    float* o = buffers.o;                 /* [R][Dv] */
-    uint16_t* probabilities = buffers.pb; /* [R][N] */
-    int64_t head[R], query[R];
-    float position[R], row_max[R], row_sum[R];
-    start_rows<float>(p, kvh, q0, qn, R, head, query, position, row_max, row_sum);
-    for (int r = 0; r < R; ++r)
-        std::memcpy(q + r * D, at<uint16_t>(p.q, b * p.q_stride[0] + head[r] * p.q_stride[1] + query[r] * p.q_stride[2]),
-                    sizeof(uint16_t) * D);
-    std::memset(o, 0, sizeof(float) * R * Dv);
-
+    const int64_t N = p.key_tile;
+    PairHead<R> h;
+    PairKernel<R>::start(p, h, scratch, b, kvh, q0, qn);
     int64_t lo, hi;
     visible_keys(p, b, q0, qn, k_begin, k_end, &lo, &hi);
     for (int64_t kt = lo; kt < hi; kt += N) {
-        const int64_t n = std::min(N, hi - kt), pairs = (n + 1) / 2;
+        const int64_t n = std::min(N, hi - kt);
         if (p.mask_kind != MASK_NONE && mask_hides_tile(p, b, kvh, q0, qn, kt, n)) continue;
-        const uint16_t* k = at<uint16_t>(p.k, b * p.k_stride[0] + kvh * p.k_stride[1] + kt * p.k_stride[2]);
-        const uint16_t* v = at<uint16_t>(p.v, b * p.v_stride[0] + kvh * p.v_stride[1] + kt * p.v_stride[2]);
-        SpreadPrefetch<uint16_t> ahead(p, b, kvh, kt + N, kt + N < hi ? std::min(N, hi - kt - N) : 0);
-        const int64_t calls = std::max<int64_t>(1, R * (n / 16) * (D / 32) + pairs * (Dv / (16 * NV)));
-        const int64_t lines_per_call = (ahead.total_lines() + calls - 1) / calls;
-        auto issue = [&] { ahead.issue(lines_per_call); };
-
-        decode_scores<R>(q, D, k, p.k_stride[2], n, s, N, (float)p.scale, issue);
-        softmax_rows<float>(p, s, N, R, n, kt, b, kvh, q0, qn, head, query, position, row_max, row_sum, o);
-        round_probability_rows(s, N, R, n, round_up(2 * pairs, 16), probabilities); /* an odd n's key n: 0 */
-        for (int64_t c = 0; c < dv_main; c += 16 * NV)
-            decode_values<R, NV>(probabilities, N, v + c, p.v_stride[2], n, o + c, Dv, issue);
-        for (int64_t c = dv_main; c < Dv; c += 32)
-            decode_values<R, 2>(probabilities, N, v + c, p.v_stride[2], n, o + c, Dv, issue);
+        PairKernel<R>::tile(p, h, b, q0, qn, kt, n,
+                            SpreadPrefetch<uint16_t>(p, b, kvh, kt + N, kt + N < hi ? std::min(N, hi - kt - N) : 0));
     }
-    for (int r = 0; r < R; ++r) {
-        deinterleave_columns(o + r * Dv, Dv);
-        write_row<float, bfloat16_bits>(p, b, head[r], query[r], r, o + r * Dv, 1, row_max[r], row_sum[r], partial_out,
-                                        partial_lse);
-    }
+    PairKernel<R>::finish(p, h, b, partial_out, partial_lse);
 }
 
 static void forward_decode_dpbf16(const FwdParams& p, char* scratch, int64_t b, int64_t kvh, int64_t q0, int64_t qn,
@@ -574,6 +607,18 @@ static void forward_decode_dpbf16(const FwdParams& p, char* scratch, int64_t b, 
     switch (p.group * qn) {
 #define FASTATTN_DECODE_CASE(R) \
     case R: return forward_decode_dpbf16<R>(p, scratch, b, kvh, q0, qn, k_begin, k_end, partial_out, partial_lse);
+        FASTATTN_DECODE_CASE(1) FASTATTN_DECODE_CASE(2) FASTATTN_DECODE_CASE(3) FASTATTN_DECODE_CASE(4)
+        FASTATTN_DECODE_CASE(5) FASTATTN_DECODE_CASE(6) FASTATTN_DECODE_CASE(7) FASTATTN_DECODE_CASE(8)
+#undef FASTATTN_DECODE_CASE
+        default: break;
+    }
+}
+
+static void forward_heads_dpbf16(const FwdParams& p, char* scratch, const ItemIndex& index, int64_t heads, int64_t q0,
+                                 int64_t qn, int64_t k_begin, int64_t k_end) {
+    switch (p.group * qn) {
+#define FASTATTN_DECODE_CASE(R) \
+    case R: return forward_heads<PairKernel<R>>(p, scratch, index, heads, q0, qn, k_begin, k_end);
         FASTATTN_DECODE_CASE(1) FASTATTN_DECODE_CASE(2) FASTATTN_DECODE_CASE(3) FASTATTN_DECODE_CASE(4)
         FASTATTN_DECODE_CASE(5) FASTATTN_DECODE_CASE(6) FASTATTN_DECODE_CASE(7) FASTATTN_DECODE_CASE(8)
 #undef FASTATTN_DECODE_CASE

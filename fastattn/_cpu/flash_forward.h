@@ -40,6 +40,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <new>
 #include <type_traits>
 
 #include "isa.h"
@@ -85,19 +86,22 @@ template <typename T> struct RowShape {
     }
 };
 
-/* Bytes reserved for each kv head's state (DotHead) in a head group's scratch. */
-constexpr int64_t kDotHeadStateBytes = 512;
+/* Bytes before each kv head's scratch in a head group's room (its state: forward_heads), and the
+ * most heads a group holds (the planner groups every kv head only up to this many). */
+constexpr int64_t kHeadStateBytes = 512;
+constexpr int64_t kMaxHeadGroup = 64;
 
 /* Enough for forward_block (rows-as-lanes) and forward_block_dot (<= 8 rows) alike, and for a group
- * of kv heads' states and scratch (forward_heads_dot). */
+ * of kv heads' states and scratch (forward_heads with DotKernel). */
 template <typename T> static size_t scratch_elements(const FwdParams& p) {
     RowShape<T> shape(p.group * p.block_queries);
     int64_t mp = std::max<int64_t>(shape.padded, 8), n = p.key_tile;
     const int64_t one = mp * p.head_dim + n * mp + p.head_dim_v * mp + 3 * mp + n * (p.head_dim + p.head_dim_v) +
                         4 * lanes<T>();
     const int64_t rows = p.group * p.block_queries;
-    const int64_t per_head = rows * (p.head_dim + n + p.head_dim_v) + lanes<T>() * p.head_dim +
-                             kDotHeadStateBytes / (int64_t)sizeof(T);
+    const int64_t per_head = round_up(rows * (p.head_dim + n + p.head_dim_v) + lanes<T>() * p.head_dim,
+                                      64 / (int64_t)sizeof(T)) +
+                             kHeadStateBytes / (int64_t)sizeof(T);
     return (size_t)std::max(one, forward_head_group(p) * per_head);
 }
 
@@ -771,7 +775,8 @@ static void dot_start(const FwdParams& p, DotHead<T, R>& h, T* scratch, int64_t 
  * the prefetcher spread over the tile's work. */
 template <typename T, typename In, int R>
 static void dot_tile(const FwdParams& p, DotHead<T, R>& h, int64_t b, int64_t q0, int64_t qn, int64_t kt, int64_t n,
-                     SpreadPrefetch<In> ahead) {
+                     const SpreadPrefetch<In>& next) {
+    SpreadPrefetch<In> ahead = next; /* a local: its cursors stay in registers */
     typedef typename Vec<T>::type V;
     constexpr int L = Vec<T>::lanes;
     constexpr int CB = R >= 8 ? 2 : R >= 4 ? 4 : 8; /* O columns (vectors) held per row */
@@ -951,19 +956,26 @@ static inline void split_partials(const FwdParams& p, const ItemIndex& index, in
  * there a head's consecutive tokens lie H * D elements apart, and a head-by-head sweep reads a
  * few lines of every token row: on a 2-core Zen 5 a plain streaming read in that pattern (one
  * head's 256-byte rows 2 KB apart) reaches 29-33 GB/s where a contiguous one reaches 48-65.  Here
- * each key tile runs head after head (a DotHead apiece: its rows' scratch and softmax state), and
- * while head g computes, the prefetcher takes the g-th share of the next tile's token rows, which
- * hold every head of the group back to back: the memory sees one contiguous run per tile.  Where
- * the group's rows are not one run (other strides) each head prefetches the next head's tile. */
-template <typename T, typename In, int R>
-static void forward_heads_dot(const FwdParams& p, char* scratch, const ItemIndex& index, int64_t heads, int64_t q0,
-                              int64_t qn, int64_t k_begin, int64_t k_end) {
-    static_assert(sizeof(DotHead<T, kDotMaxRows>) <= (size_t)kDotHeadStateBytes, "a head's state outgrew its room");
+ * each key tile runs head after head (a Kernel::Head apiece: its rows' scratch and softmax state,
+ * the head's state in the first kHeadStateBytes of its room), and while head g computes, the
+ * prefetcher takes the g-th share of the next tile's token rows, which hold every head of the group
+ * back to back: the memory sees one contiguous run per tile.  Where the group's rows are not one
+ * run (other strides) each head prefetches the next head's tile.  Kernel: DotKernel (float32 vectors)
+ * or PairKernel (flash_bf16.h, `vdpbf16ps`), each with start / tile / finish and its scratch bytes. */
+template <typename Kernel>
+static void forward_heads(const FwdParams& p, char* scratch, const ItemIndex& index, int64_t heads, int64_t q0,
+                          int64_t qn, int64_t k_begin, int64_t k_end) {
+    typedef typename Kernel::Head Head;
+    typedef typename Kernel::In In;
+    typedef typename Kernel::T T;
+    static_assert(sizeof(Head) <= (size_t)kHeadStateBytes, "a head's state outgrew its room");
     const int64_t N = p.key_tile, element = (int64_t)sizeof(In), b = index.b, first = index.kvh;
-    DotHead<T, R>* group = reinterpret_cast<DotHead<T, R>*>(scratch);
-    T* data = reinterpret_cast<T*>(scratch + heads * kDotHeadStateBytes);
-    for (int64_t g = 0; g < heads; ++g)
-        dot_start<T, In, R>(p, group[g], data + g * dot_head_elements<T>(p, R), b, first + g, q0, qn);
+    const int64_t room = kHeadStateBytes + Kernel::scratch_bytes(p);
+    Head* group[kMaxHeadGroup];
+    for (int64_t g = 0; g < heads; ++g) {
+        group[g] = new (scratch + g * room) Head();
+        Kernel::start(p, *group[g], scratch + g * room + kHeadStateBytes, b, first + g, q0, qn);
+    }
     int64_t lo, hi;
     visible_keys(p, b, q0, qn, k_begin, k_end, &lo, &hi);
     const bool one_run = p.k_stride[1] == p.head_dim && p.v_stride[1] == p.head_dim_v &&
@@ -976,14 +988,14 @@ static void forward_heads_dot(const FwdParams& p, char* scratch, const ItemIndex
         for (int64_t g = 0; g < heads; ++g) {
             if (p.mask_kind != MASK_NONE && mask_hides_tile(p, b, first + g, q0, qn, kt, n)) continue;
             if (one_run) {
-                dot_tile<T, In, R>(p, group[g], b, q0, qn, kt, n,
-                                   SpreadPrefetch<In>(k_next + k_bytes * g / heads, k_next + k_bytes * (g + 1) / heads,
-                                                      v_next + v_bytes * g / heads, v_next + v_bytes * (g + 1) / heads));
+                Kernel::tile(p, *group[g], b, q0, qn, kt, n,
+                             SpreadPrefetch<In>(k_next + k_bytes * g / heads, k_next + k_bytes * (g + 1) / heads,
+                                                v_next + v_bytes * g / heads, v_next + v_bytes * (g + 1) / heads));
             } else {
                 const bool last = g + 1 == heads;
-                dot_tile<T, In, R>(p, group[g], b, q0, qn, kt, n,
-                                   SpreadPrefetch<In>(p, b, last ? first : first + g + 1, last ? kt + N : kt,
-                                                      last ? next_n : n));
+                Kernel::tile(p, *group[g], b, q0, qn, kt, n,
+                             SpreadPrefetch<In>(p, b, last ? first : first + g + 1, last ? kt + N : kt,
+                                                last ? next_n : n));
             }
         }
     }
@@ -991,9 +1003,33 @@ static void forward_heads_dot(const FwdParams& p, char* scratch, const ItemIndex
         T* partial_out;
         T* partial_lse;
         split_partials(p, index, first + g, &partial_out, &partial_lse);
-        dot_finish<T, In, R>(p, group[g], b, partial_out, partial_lse);
+        Kernel::finish(p, *group[g], b, partial_out, partial_lse);
     }
 }
+
+/* forward_heads' view of the vector decode (dot_start, dot_tile, dot_finish). */
+template <typename T_, typename In_, int R> struct DotKernel {
+    typedef T_ T;
+    typedef In_ In;
+    typedef DotHead<T, R> Head;
+    static int64_t scratch_bytes(const FwdParams& p) { return round_up(dot_head_elements<T>(p, R) * (int64_t)sizeof(T), 64); }
+    static void start(const FwdParams& p, Head& h, char* room, int64_t b, int64_t kvh, int64_t q0, int64_t qn) {
+        dot_start<T, In, R>(p, h, reinterpret_cast<T*>(room), b, kvh, q0, qn);
+    }
+    static void tile(const FwdParams& p, Head& h, int64_t b, int64_t q0, int64_t qn, int64_t kt, int64_t n,
+                     const SpreadPrefetch<In>& next) {
+        dot_tile<T, In, R>(p, h, b, q0, qn, kt, n, next);
+    }
+    static void finish(const FwdParams& p, const Head& h, int64_t b, T* partial_out, T* partial_lse) {
+        dot_finish<T, In, R>(p, h, b, partial_out, partial_lse);
+    }
+};
+
+#if defined(FASTATTN_HAS_AVX512BF16) && !defined(FASTATTN_HAS_AMX)
+/* A group of kv heads on `vdpbf16ps` (flash_bf16.h: forward_heads with PairKernel). */
+static void forward_heads_dpbf16(const FwdParams& p, char* scratch, const ItemIndex& index, int64_t heads, int64_t q0,
+                                 int64_t qn, int64_t k_begin, int64_t k_end);
+#endif
 
 /* One kv head's rows of an item, on the kernel the rule picks. */
 template <typename T, typename In>
@@ -1043,10 +1079,15 @@ static void run_item(const FwdParams& p, char* scratch, int64_t item) {
         k_end = std::min(p.seq_k, k_begin + split_length(p));
     }
     const int64_t heads = std::min(forward_head_group(p), p.heads_kv - index.kvh);
+#if defined(FASTATTN_HAS_AVX512BF16) && !defined(FASTATTN_HAS_AMX)
+    if constexpr (std::is_same<In, bfloat16_bits>::value)
+        if (heads > 1 && forward_kernel_of(p, p.group * qn) == KERNEL_DPBF16_DECODE)
+            return forward_heads_dpbf16(p, scratch, index, heads, q0, qn, k_begin, k_end);
+#endif
     if (heads > 1 && forward_kernel_of(p, p.group * qn) == KERNEL_VECTOR_DECODE) {
         switch (p.group * qn) {
 #define FASTATTN_HEADS_CASE(R) \
-    case R: return forward_heads_dot<T, In, R>(p, scratch, index, heads, q0, qn, k_begin, k_end);
+    case R: return forward_heads<DotKernel<T, In, R>>(p, scratch, index, heads, q0, qn, k_begin, k_end);
             FASTATTN_HEADS_CASE(1) FASTATTN_HEADS_CASE(2) FASTATTN_HEADS_CASE(3) FASTATTN_HEADS_CASE(4)
             FASTATTN_HEADS_CASE(5) FASTATTN_HEADS_CASE(6) FASTATTN_HEADS_CASE(7) FASTATTN_HEADS_CASE(8)
 #undef FASTATTN_HEADS_CASE

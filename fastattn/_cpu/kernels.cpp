@@ -26,7 +26,8 @@ static size_t forward_scratch_bytes(const FwdParams* p) {
     if (p->dtype == DTYPE_FLOAT64) return sizeof(double) * scratch_elements<double>(*p);
     const size_t vectors = sizeof(float) * scratch_elements<float>(*p);
 #if defined(FASTATTN_HAS_AVX512BF16)
-    if (p->dtype == DTYPE_BFLOAT16) return std::max(vectors, (size_t)PairBuffers::bytes(*p));
+    if (p->dtype == DTYPE_BFLOAT16) /* one head's buffers, or a group's (forward_heads with PairKernel) */
+        return std::max(vectors, (size_t)(forward_head_group(*p) * (kHeadStateBytes + PairBuffers::bytes(*p))));
 #endif
     return vectors;
 }

@@ -57,13 +57,19 @@ def tile_sizes(problem: AttentionProblem, threads: int) -> tuple[int, int]:
     return TILE_ROWS, KEY_TILE
 
 
+#: The most kv heads one decode item takes (``kMaxHeadGroup`` in fastattn/_cpu/flash_forward.h).
+MAX_HEAD_GROUP = 64
+
+
 def decode_head_group(problem: AttentionProblem, key_tile: int) -> int:
-    """Kv heads per decode item: all of them where K and V are token-major (``layout="bshd"``) and
-    the vector decode kernel runs the item (it then sweeps each key tile's token rows, every head's
-    bytes together: ``forward_heads_dot`` in fastattn/_cpu/flash_forward.h), else 1."""
-    if problem.seq_q > DECODE_MAX_QUERIES or problem.layout != "bshd" or problem.heads_kv == 1:
+    """Kv heads per decode item: all of them (up to ``MAX_HEAD_GROUP``) where K and V are
+    token-major (``layout="bshd"``) and a decode kernel with per-head steps runs the item (float32
+    vectors or `vdpbf16ps`): it then sweeps each key tile's token rows, every head's bytes together
+    (``forward_heads`` in fastattn/_cpu/flash_forward.h); else 1."""
+    if problem.seq_q > DECODE_MAX_QUERIES or problem.layout != "bshd" or not 1 < problem.heads_kv <= MAX_HEAD_GROUP:
         return 1
-    return problem.heads_kv if _flash.forward_kernel(problem, problem.seq_q, key_tile) == "vector-decode" else 1
+    kernel = _flash.forward_kernel(problem, problem.seq_q, key_tile)
+    return problem.heads_kv if kernel in ("vector-decode", "dpbf16-decode") else 1
 
 
 def plan(problem: AttentionProblem, threads: int) -> tuple[int, int]:
