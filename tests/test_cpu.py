@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 import fastattn
 from fastattn._cpu import _flash, isa
 from fastattn.backends import cpu as cpu_backend
+from fastattn.nn import KVCache
 
 from .conformance import _oracle
 from .conformance._cases import BACKWARD_TOLERANCE, FORWARD_TOLERANCE, Case, relative_error
@@ -190,6 +191,16 @@ def test_token_major_decode_over_kv_head_groups_matches_oracle(options, dtype, t
         assert cpu_backend.plan(problem, 2)[1] > 1, "expected the keys split across threads"
     fastattn.set_num_threads(2)
     check_forward("cpu", "cpu", case)
+
+
+def test_head_major_views_decode_head_by_head() -> None:
+    """A KVCache's views are "bshd" arrays over head-major memory: each head's tokens are one run
+    already, so its decode keeps one kv head per item (and the usual key tile)."""
+    cache = KVCache(2, 300, 4, 64)
+    cache.append(*(np.ones((2, 300, 4, 64), np.float32) for _ in range(2)))
+    problem = fastattn.explain(np.ones((2, 1, 8, 64), np.float32), *cache.view(), layout="bshd").problem
+    assert cpu_backend.decode_head_group(problem, cpu_backend.KEY_TILE) == 1
+    assert cpu_backend.tile_sizes(problem, 2) == (cpu_backend.TILE_ROWS, cpu_backend.KEY_TILE)
 
 
 def _bfloat16_case(options: dict, **fields) -> Case:

@@ -60,8 +60,9 @@ inline namespace FASTATTN_ISA_NAMESPACE {
  * so the kernels run without it first and record whether any stored result is non-finite; a leak
  * can only add NaN or infinity, so a finite result is already exact, and a non-finite one makes
  * the caller rerun with skip_zero_weights = 1. */
+static inline void note_nonfinite(const FwdParams& p) { __atomic_store_n(p.nonfinite_output, 1, __ATOMIC_RELAXED); }
 static inline void note_stored(const FwdParams& p, double value) {
-    if (!std::isfinite(value)) __atomic_store_n(p.nonfinite_output, 1, __ATOMIC_RELAXED);
+    if (!std::isfinite(value)) note_nonfinite(p);
 }
 
 #if FASTATTN_VECTOR_BYTES == 64
@@ -86,10 +87,8 @@ template <typename T> struct RowShape {
     }
 };
 
-/* Bytes before each kv head's scratch in a head group's room (its state: forward_heads), and the
- * most heads a group holds (the planner groups every kv head only up to this many). */
+/* Bytes before each kv head's scratch in a head group's room (its state: forward_heads). */
 constexpr int64_t kHeadStateBytes = 512;
-constexpr int64_t kMaxHeadGroup = 64;
 
 /* Enough for forward_block (rows-as-lanes) and forward_block_dot (<= 8 rows) alike, and for a group
  * of kv heads' states and scratch (forward_heads with DotKernel). */
@@ -437,7 +436,7 @@ static inline void write_row(const FwdParams& p, int64_t b, int64_t h, int64_t i
     }
     In* dst = reinterpret_cast<In*>(p.out) + b * p.out_stride[0] + h * p.out_stride[1] + i * p.out_stride[2];
     if (acc_stride == 1) { /* the decode's rows: a vector pass (element by element it took 5% of a decode) */
-        if (!store_row<T, In>(acc, inverse, dst, Dv)) note_stored(p, std::numeric_limits<double>::quiet_NaN());
+        if (!store_row<T, In>(acc, inverse, dst, Dv)) note_nonfinite(p);
     } else {
         for (int64_t c = 0; c < Dv; ++c) {
             const T value = acc[c * acc_stride] * inverse;

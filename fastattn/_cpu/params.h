@@ -49,8 +49,13 @@ struct FwdParams {
     unsigned long long dropout_threshold; /* keep iff word >= threshold (2^32 for p = 1) */
 };
 
+/* The most kv heads one forward item takes (forward_heads keeps a state pointer per head). */
+constexpr int64_t kMaxHeadGroup = 64;
+
 /* Kv heads per forward item and the items' kv-head groups. */
-static inline int64_t forward_head_group(const FwdParams& p) { return p.head_group > 1 ? p.head_group : 1; }
+static inline int64_t forward_head_group(const FwdParams& p) {
+    return p.head_group > kMaxHeadGroup ? kMaxHeadGroup : p.head_group > 1 ? p.head_group : 1;
+}
 static inline int64_t forward_head_groups(const FwdParams& p) {
     return (p.heads_kv + forward_head_group(p) - 1) / forward_head_group(p);
 }

@@ -57,16 +57,19 @@ def tile_sizes(problem: AttentionProblem, threads: int) -> tuple[int, int]:
     return TILE_ROWS, KEY_TILE
 
 
-#: The most kv heads one decode item takes (``kMaxHeadGroup`` in fastattn/_cpu/flash_forward.h).
+#: The most kv heads one decode item takes (``kMaxHeadGroup`` in fastattn/_cpu/params.h).
 MAX_HEAD_GROUP = 64
 
 
 def decode_head_group(problem: AttentionProblem, key_tile: int) -> int:
-    """Kv heads per decode item: all of them (up to ``MAX_HEAD_GROUP``) where K and V are
-    token-major (``layout="bshd"``) and a decode kernel with per-head steps runs the item (float32
-    vectors or `vdpbf16ps`): it then sweeps each key tile's token rows, every head's bytes together
-    (``forward_heads`` in fastattn/_cpu/flash_forward.h); else 1."""
-    if problem.seq_q > DECODE_MAX_QUERIES or problem.layout != "bshd" or not 1 < problem.heads_kv <= MAX_HEAD_GROUP:
+    """Kv heads per decode item: all of them (up to ``MAX_HEAD_GROUP``) where K and V lie
+    token-major (a kv head's consecutive tokens further apart than its neighbour heads: a
+    ``(B, S, H, D)`` array) and a decode kernel with per-head steps runs the item (float32 vectors
+    or `vdpbf16ps`): it then sweeps each key tile's token rows, every head's bytes together
+    (``forward_heads`` in fastattn/_cpu/flash_forward.h); else 1 (head-major memory, such as a
+    ``KVCache``'s, streams each head's tokens as one run already)."""
+    token_major = problem.k_strides[1] < problem.k_strides[2] and problem.v_strides[1] < problem.v_strides[2]
+    if problem.seq_q > DECODE_MAX_QUERIES or not token_major or not 1 < problem.heads_kv <= MAX_HEAD_GROUP:
         return 1
     kernel = _flash.forward_kernel(problem, problem.seq_q, key_tile)
     return problem.heads_kv if kernel in ("vector-decode", "dpbf16-decode") else 1
