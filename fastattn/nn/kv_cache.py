@@ -9,10 +9,10 @@ sees them.  The buffers start zeroed, so padding is always finite.
 The memory behind those views is head-major, ``(batch, num_kv_heads, max_seq, head_dim)``: each kv
 head's tokens lie back to back, so a decode streams one run of bytes per head.  Token-major memory
 (the views' own order) puts a head's consecutive tokens ``num_kv_heads * head_dim`` elements apart,
-which the hardware prefetchers do not follow across pages: a float16 decode over a
-(8, 4096, 8, 128) cache took 6.5-7.5 ms that way (4.3-4.6 ms once rows started on cache lines) and
-3.2-3.4 ms head-major (2-core Zen 5, 2 threads).  Host buffers also start on a cache line (numpy
-puts large arrays 16 bytes past one, and every row then spans one line more).
+a pattern the memory system reads at about two thirds of its contiguous speed (a streaming read on
+a 2-core Zen 5: 29-33 against 48-65 GB/s); the float16 C6 decode through the cache went from 7.43
+to 2.34-3.55 ms there (benchmarks/README.md).  Host buffers also start on a cache line (numpy puts
+large arrays 16 bytes past one, and every row then spans one line more).
 """
 
 from __future__ import annotations
