@@ -355,7 +355,7 @@ static void forward_block_amx(const FwdParams& p, char* scratch, int64_t b, int6
 
 /* ---- decode: a few rows ------------------------------------------------------------------------------
  *
- * With rows <= kDotMaxRows (decode) the vector path, forward_block_dot, runs R x D FMAs per key for
+ * With rows <= kDotMaxRows (decode) the vector path, DotKernel, runs R x D FMAs per key for
  * the scores and R x Dv for P V, and converts every K and V element to float32 first: for bfloat16
  * it is bound by the FMA ports (24 GB/s of K/V from cache on the Xeon above, below its memory's
  * 33).  Here its layout and softmax stay (each row's scores along the keys, softmax_rows, O rows
@@ -400,7 +400,7 @@ static void forward_decode_amx(const FwdParams& p, char* scratch, int64_t b, int
         const uint16_t* k = at<uint16_t>(p.k, b * p.k_stride[0] + kvh * p.k_stride[1] + kt * p.k_stride[2]);
         const uint16_t* v = at<uint16_t>(p.v, b * p.v_stride[0] + kvh * p.v_stride[1] + kt * p.v_stride[2]);
         /* The next tile's rows, a few lines at a time between this tile's transposes and value pairs
-         * (as forward_block_dot spreads them: a burst would stall the core on full fill buffers). */
+         * (as DotKernel spreads them: a burst would stall the core on full fill buffers). */
         SpreadPrefetch<uint16_t> ahead(p, b, kvh, kt + N, kt + N < hi ? std::min(N, hi - kt - N) : 0);
         const int64_t calls = blocks + keys32 / 2, lines_per_call = (ahead.total_lines() + calls - 1) / calls;
 

@@ -405,7 +405,7 @@ static void forward_block_dpbf16(const FwdParams& p, char* scratch, int64_t b, i
 
 /* ---- decode: a few rows ------------------------------------------------------------------------------
  *
- * With rows <= kDotMaxRows the vector path, forward_block_dot, converts every K and V element to
+ * With rows <= kDotMaxRows the vector path, DotKernel, converts every K and V element to
  * float32 and runs R x (D + Dv) FMAs per key: for bfloat16 its arithmetic, not the memory, sets the
  * pace.  Here its layout stays (vectors along D for the scores, the softmax along each row's keys,
  * O rows [r][Dv]) and the products take bfloat16 as it lies, K and V read in place:
@@ -421,7 +421,7 @@ static void forward_block_dpbf16(const FwdParams& p, char* scratch, int64_t b, i
  * On a 2-core Zen 5 (K and V in cache, one thread) this reads 34 GB/s where the version that
  * interleaved V through memory and took K once per row read 20: that version, not the memory, set
  * the decode's pace.  Every step also issues a few lines of the next tile's prefetches
- * (forward_block_dot's SpreadPrefetch; without them the decode from DRAM runs at half the speed).
+ * (DotKernel's SpreadPrefetch; without them the decode from DRAM runs at half the speed).
  * Taken when: bfloat16, D and Dv multiples of 32, key_tile of 32, no rerun that skips zero weights.
  */
 static bool dpbf16_decode_applies(const FwdParams& p, int64_t rows) {
@@ -531,8 +531,8 @@ template <int R> struct PairHead {
     int64_t head[R], query[R];
 };
 
-/* The decode's steps on one head (forward_decode_dpbf16 runs them in turn; forward_heads, a group of
- * kv heads tile by tile). */
+/* The decode's steps on one head (forward_head runs them in turn; forward_heads, a group of kv heads
+ * tile by tile). */
 template <int R> struct PairKernel {
     typedef float T;
     typedef uint16_t In;
@@ -585,28 +585,11 @@ template <int R> struct PairKernel {
     }
 };
 
-template <int R>
-static void forward_decode_dpbf16(const FwdParams& p, char* scratch, int64_t b, int64_t kvh, int64_t q0, int64_t qn,
-                                  int64_t k_begin, int64_t k_end, float* partial_out, float* partial_lse) {
-    const int64_t N = p.key_tile;
-    PairHead<R> h;
-    PairKernel<R>::start(p, h, scratch, b, kvh, q0, qn);
-    int64_t lo, hi;
-    visible_keys(p, b, q0, qn, k_begin, k_end, &lo, &hi);
-    for (int64_t kt = lo; kt < hi; kt += N) {
-        const int64_t n = std::min(N, hi - kt);
-        if (p.mask_kind != MASK_NONE && mask_hides_tile(p, b, kvh, q0, qn, kt, n)) continue;
-        PairKernel<R>::tile(p, h, b, q0, qn, kt, n,
-                            SpreadPrefetch<uint16_t>(p, b, kvh, kt + N, kt + N < hi ? std::min(N, hi - kt - N) : 0));
-    }
-    PairKernel<R>::finish(p, h, b, partial_out, partial_lse);
-}
-
 static void forward_decode_dpbf16(const FwdParams& p, char* scratch, int64_t b, int64_t kvh, int64_t q0, int64_t qn,
                                   int64_t k_begin, int64_t k_end, float* partial_out, float* partial_lse) {
     switch (p.group * qn) {
 #define FASTATTN_DECODE_CASE(R) \
-    case R: return forward_decode_dpbf16<R>(p, scratch, b, kvh, q0, qn, k_begin, k_end, partial_out, partial_lse);
+    case R: return forward_head<PairKernel<R>>(p, scratch, b, kvh, q0, qn, k_begin, k_end, partial_out, partial_lse);
         FASTATTN_DECODE_CASE(1) FASTATTN_DECODE_CASE(2) FASTATTN_DECODE_CASE(3) FASTATTN_DECODE_CASE(4)
         FASTATTN_DECODE_CASE(5) FASTATTN_DECODE_CASE(6) FASTATTN_DECODE_CASE(7) FASTATTN_DECODE_CASE(8)
 #undef FASTATTN_DECODE_CASE

@@ -15,7 +15,7 @@
  * alpha, causal/window positions) is a plain vector over rows: no horizontal reductions anywhere.
  * K and V are read in place from the caller's memory (any strides, contiguous last axis) when the
  * input is the compute type; float16/bfloat16 tiles are converted into scratch first (the decode
- * path, forward_block_dot, converts them as it reads them: load_vector).
+ * path, DotKernel, converts them as it reads them: load_vector).
  *
  * Tile sizes: RB = 2 vectors of rows (32 floats with AVX-512, 16 with AVX2), 1 vector when the
  * tile has that few rows (decode); MR = 8 (AVX-512, 32 registers: 16 accumulators) or 6 (AVX2,
@@ -90,7 +90,7 @@ template <typename T> struct RowShape {
 /* Bytes before each kv head's scratch in a head group's room (its state: forward_heads). */
 constexpr int64_t kHeadStateBytes = 512;
 
-/* Enough for forward_block (rows-as-lanes) and forward_block_dot (<= 8 rows) alike, and for a group
+/* Enough for forward_block (rows-as-lanes) and DotKernel (<= 8 rows) alike, and for a group
  * of kv heads' states and scratch (forward_heads with DotKernel). */
 template <typename T> static size_t scratch_elements(const FwdParams& p) {
     RowShape<T> shape(p.group * p.block_queries);
@@ -853,24 +853,6 @@ static void dot_finish(const FwdParams& p, const DotHead<T, R>& h, int64_t b, T*
                          partial_out, partial_lse);
 }
 
-template <typename T, typename In, int R>
-static void forward_block_dot(const FwdParams& p, T* scratch, int64_t b, int64_t kvh, int64_t q0, int64_t qn,
-                              int64_t k_begin, int64_t k_end, T* partial_out, T* partial_lse) {
-    const int64_t N = p.key_tile;
-    DotHead<T, R> h;
-    dot_start<T, In, R>(p, h, scratch, b, kvh, q0, qn);
-    int64_t lo, hi;
-    visible_keys(p, b, q0, qn, k_begin, k_end, &lo, &hi);
-    for (int64_t kt = lo; kt < hi; kt += N) {
-        const int64_t n = std::min(N, hi - kt);
-        if (p.mask_kind != MASK_NONE && mask_hides_tile(p, b, kvh, q0, qn, kt, n)) continue;
-        /* The next tile's rows, spread over this tile's work. */
-        SpreadPrefetch<In> ahead(p, b, kvh, kt + N, kt + N < hi ? std::min(N, hi - kt - N) : 0);
-        dot_tile<T, In, R>(p, h, b, q0, qn, kt, n, ahead);
-    }
-    dot_finish<T, In, R>(p, h, b, partial_out, partial_lse);
-}
-
 /* ---- items, dispatch and the split-KV combine ------------------------------------------------------ */
 
 struct ItemIndex {
@@ -1011,7 +993,9 @@ template <typename T_, typename In_, int R> struct DotKernel {
     typedef T_ T;
     typedef In_ In;
     typedef DotHead<T, R> Head;
-    static int64_t scratch_bytes(const FwdParams& p) { return round_up(dot_head_elements<T>(p, R) * (int64_t)sizeof(T), 64); }
+    static int64_t scratch_bytes(const FwdParams& p) {
+        return round_up(dot_head_elements<T>(p, R) * (int64_t)sizeof(T), 64);
+    }
     static void start(const FwdParams& p, Head& h, char* room, int64_t b, int64_t kvh, int64_t q0, int64_t qn) {
         dot_start<T, In, R>(p, h, reinterpret_cast<T*>(room), b, kvh, q0, qn);
     }
@@ -1029,6 +1013,27 @@ template <typename T_, typename In_, int R> struct DotKernel {
 static void forward_heads_dpbf16(const FwdParams& p, char* scratch, const ItemIndex& index, int64_t heads, int64_t q0,
                                  int64_t qn, int64_t k_begin, int64_t k_end);
 #endif
+
+/* One kv head's rows of an item on Kernel's steps (DotKernel, PairKernel), each tile prefetching the
+ * next tile's rows over its work. */
+template <typename Kernel>
+static void forward_head(const FwdParams& p, char* scratch, int64_t b, int64_t kvh, int64_t q0, int64_t qn,
+                         int64_t k_begin, int64_t k_end, typename Kernel::T* partial_out,
+                         typename Kernel::T* partial_lse) {
+    typedef typename Kernel::In In;
+    const int64_t N = p.key_tile;
+    typename Kernel::Head h;
+    Kernel::start(p, h, scratch, b, kvh, q0, qn);
+    int64_t lo, hi;
+    visible_keys(p, b, q0, qn, k_begin, k_end, &lo, &hi);
+    for (int64_t kt = lo; kt < hi; kt += N) {
+        const int64_t n = std::min(N, hi - kt);
+        if (p.mask_kind != MASK_NONE && mask_hides_tile(p, b, kvh, q0, qn, kt, n)) continue;
+        Kernel::tile(p, h, b, q0, qn, kt, n,
+                     SpreadPrefetch<In>(p, b, kvh, kt + N, kt + N < hi ? std::min(N, hi - kt - N) : 0));
+    }
+    Kernel::finish(p, h, b, partial_out, partial_lse);
+}
 
 /* One kv head's rows of an item, on the kernel the rule picks. */
 template <typename T, typename In>
@@ -1055,7 +1060,8 @@ static void run_head(const FwdParams& p, char* scratch, int64_t b, int64_t kvh, 
     T* buffer = reinterpret_cast<T*>(scratch);
     switch (p.group * qn) {
 #define FASTATTN_DOT_CASE(R) \
-    case R: return forward_block_dot<T, In, R>(p, buffer, b, kvh, q0, qn, k_begin, k_end, partial_out, partial_lse);
+    case R:                  \
+        return forward_head<DotKernel<T, In, R>>(p, scratch, b, kvh, q0, qn, k_begin, k_end, partial_out, partial_lse);
         FASTATTN_DOT_CASE(1) FASTATTN_DOT_CASE(2) FASTATTN_DOT_CASE(3) FASTATTN_DOT_CASE(4)
         FASTATTN_DOT_CASE(5) FASTATTN_DOT_CASE(6) FASTATTN_DOT_CASE(7) FASTATTN_DOT_CASE(8)
 #undef FASTATTN_DOT_CASE

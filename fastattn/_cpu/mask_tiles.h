@@ -16,7 +16,7 @@
  *    registers (log2 L rounds of L two-input shuffles).  Key tails, and masks whose key axis is
  *    not contiguous, read element by element.  Kernels whose products leave the scores unscaled
  *    scale them in the same pass (one pass over the tile instead of two).
- *  - row-major, S[r][j] (forward_block_dot, the decode path): a mask row is contiguous along the
+ *  - row-major, S[r][j] (DotKernel, the decode path): a mask row is contiguous along the
  *    keys, so it is read L keys per vector load.
  *
  * Before a tile is computed at all, mask_hides_tile says whether a bool mask hides every (row, key)
