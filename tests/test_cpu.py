@@ -203,6 +203,64 @@ def test_head_major_views_decode_head_by_head() -> None:
     assert cpu_backend.tile_sizes(problem, 2) == (cpu_backend.TILE_ROWS, cpu_backend.KEY_TILE)
 
 
+#: forward_block's tiles with O kept by row (AVX-512: half-precision inputs, or one row block of
+#: float32) and transposed (two row blocks of float32): rows 12 (group 4, Sq 3), 32, 64 and a
+#: prefill, value dims that leave 2-vector, 1-vector and element-by-element column passes.
+ROW_BLOCK_CASES = {
+    "rows-12-causal-dv-80": {"seq_q": 3, "head_dim_v": 80, "causal": "bottom_right"},
+    "rows-16-window-softcap-dv-24": {"seq_q": 4, "head_dim_v": 24, "window": (90, 0), "causal": "bottom_right",
+                                     "softcap": 5.0},
+    "rows-32-key-lengths-float-mask": {"seq_q": 8, "key_lengths": (301, 77), "mask_kind": "float",
+                                       "mask_shape": (2, 1, 1, 301)},
+    "rows-64-bool-mask-dv-40": {"seq_q": 16, "head_dim_v": 40, "mask_kind": "bool", "mask_shape": (2, 8, 16, 301)},
+    "prefill-causal-strided": {"seq_q": 150, "causal": True, "strided": "strided"},
+}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("options", list(ROW_BLOCK_CASES.values()), ids=list(ROW_BLOCK_CASES))
+def test_row_blocks_of_the_vector_forward_match_oracle(options, dtype, threads) -> None:
+    """The rows-as-lanes forward (``forward_block``) with more rows than the decode's dot products
+    take, each way it keeps O: 2 kv heads of group 4, 301 keys (a partial last tile), D = 64."""
+    base = {
+        "batch": 2, "heads_kv": 2, "group": 4, "seq_q": 3, "seq_k": 301, "head_dim": 64, "head_dim_v": 64,
+        "dtype": dtype, "layout": "bhsd", "causal": False, "window": None, "mask_kind": None,
+        "mask_shape": None, "key_lengths": None, "softcap": None, "scale": None, "strided": "contiguous",
+        "seed": int(np.random.default_rng().integers(2**32)),
+    }
+    case = Case(**{**base, **options})
+    numpy_dtype = fastattn._arrays.numpy_dtype(dtype)
+    q = np.zeros((case.batch, case.heads_q, case.seq_q, case.head_dim), numpy_dtype)
+    k = np.zeros((case.batch, case.heads_kv, case.seq_k, case.head_dim), numpy_dtype)
+    v = np.zeros((case.batch, case.heads_kv, case.seq_k, case.head_dim_v), numpy_dtype)
+    problem = fastattn.explain(q, k, v).problem
+    rows = case.group * min(case.seq_q, cpu_backend.TILE_ROWS // case.group)
+    if not (dtype == "bfloat16" and isa.active() in ("avx512bf16", "amx")):
+        assert _flash.forward_kernel(problem, rows, cpu_backend.KEY_TILE) == "vector"
+    fastattn.set_num_threads(2)
+    check_forward("cpu", "cpu", case)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("seq_q", [4, 16, 100])
+def test_row_blocks_skip_non_finite_values_at_hidden_keys(seq_q: int, dtype: str) -> None:
+    """Infinite and NaN V rows at keys a boolean mask hides share their tiles with visible keys: the
+    forward's rerun that skips zero weights keeps them out of every row (O by row and transposed)."""
+    rng = np.random.default_rng()
+    q = rng.standard_normal((2, 8, seq_q, 64)).astype(dtype)
+    k = rng.standard_normal((2, 2, 200, 64)).astype(dtype)
+    v = rng.standard_normal((2, 2, 200, 48)).astype(dtype)
+    v[:, 0, 40:60] = np.inf
+    v[:, 1, 40:60] = np.nan
+    mask = np.ones((2, 1, 1, 200), bool)
+    mask[..., 40:60] = False
+    out = fastattn.attention(q, k, v, mask=mask, backend="cpu")
+    with np.errstate(invalid="ignore"):
+        expected = fastattn.attention(*(x.astype(np.float64) for x in (q, k, v)), mask=mask, backend="reference")
+    assert np.isfinite(out).all()
+    assert relative_error(out.astype(np.float64), expected) <= FORWARD_TOLERANCE[dtype]
+
+
 def _bfloat16_case(options: dict, **fields) -> Case:
     """A bfloat16 case of 2 batch rows x 2 kv heads (group 2, 300 positions, 600 keys, D = Dv = 64 by
     default), ``fields`` then ``options`` over that, a fresh seed."""

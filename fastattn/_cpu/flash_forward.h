@@ -4,23 +4,33 @@
  * whole GQA group that reads this kv head are stacked into one tile of M = group x block_queries
  * rows, so each K/V tile is loaded once per group, not once per query head.
  *
- * Layout trick: query rows are the SIMD lanes.  Q is packed once per item, pre-multiplied by
- * scale, as Qp[M/RB][D][RB] (RB = NV vectors of rows).  Scores are kept transposed, S[key][row],
- * and so is the output accumulator, O[Dv][row].  Then
+ * Layout trick: query rows are the SIMD lanes of the scores.  Q is packed once per item,
+ * pre-multiplied by scale, as Qp[M/RB][D][RB] (RB = NV vectors of rows), and the scores are kept
+ * transposed, S[key][row]:
  *   S[j][rows] = sum_d K[j][d] * Qp[d][rows]     (micro-kernel: MR keys x RB rows in registers,
  *                                                  K[j][d] broadcast, Qp row loaded)
- *   O[c][rows] += sum_j V[j][c] * P[j][rows]     (micro-kernel: MR columns x RB rows, V[j][c]
- *                                                  broadcast, P row loaded)
- * and every per-row quantity of the online softmax (running max m, running sum l, rescale factor
+ * so every per-row quantity of the online softmax (running max m, running sum l, rescale factor
  * alpha, causal/window positions) is a plain vector over rows: no horizontal reductions anywhere.
- * K and V are read in place from the caller's memory (any strides, contiguous last axis) when the
- * input is the compute type; float16/bfloat16 tiles are converted into scratch first (the decode
- * path, DotKernel, converts them as it reads them: load_vector).
+ * The output accumulator is kept one of two ways.  Transposed, O[Dv][rows]:
+ *   O[c][rows] += sum_j V[j][c] * P[j][rows]     (micro-kernel: MR columns x RB rows, V[j][c]
+ *                                                  broadcast, P row loaded; V in the compute type,
+ *                                                  float16/bfloat16 tiles converted into scratch)
+ * or, with 32 vector registers, for half-precision inputs and tiles of one row block, by row:
+ *   O[r][c:c+CB*L] += sum_j P[j][r] * V[j][c:c+CB*L]   (add_weighted_values: R = 8 rows x CB = 2
+ *                                                       vectors, P[j][r] broadcast, V row loaded)
+ * which reads V rows where they lie, converted in registers once per 8 rows: no converted V tile,
+ * and 10 loads per 16 FMAs where a single row block's transposed P.V takes 17.  On a 2-core Zen 5
+ * (B8 H32/8 Sk4096 D128 decodes, C1-C5): float16 Sq=4 (16 rows) 7.5 -> 5.8-6.1 ms, Sq=8 11.0 ->
+ * 10.1-10.4, float32 Sq=4 9.5 -> 8.2-8.7, Sq=8 12.5 -> 11.3, float16 C5 88 -> 83; by row was 6-8%
+ * slower for fp32 tiles of two row blocks (C3, C5, 64-row decodes), and with 16 registers (4 x 2
+ * or 4 x 3 blocks) 8-35% slower everywhere (forward_block's o_by_row).  K is read in place when the
+ * input is the compute type; float16/bfloat16 K tiles are converted into scratch first (the decode
+ * path, DotKernel, converts K in registers).
  *
  * Tile sizes: RB = 2 vectors of rows (32 floats with AVX-512, 16 with AVX2), 1 vector when the
  * tile has that few rows (decode); MR = 8 (AVX-512, 32 registers: 16 accumulators) or 6 (AVX2,
- * 16 registers: 12 accumulators) so the FMA pipes stay busy; key tiles of `key_tile` keys (64 by
- * default) keep S (key_tile x M) and the K/V tile in L1/L2.
+ * 16 registers: 12 accumulators) so the FMA pipes stay busy; key tiles of `key_tile` keys (128
+ * by default) keep S (key_tile x M) and the K/V tile in L1/L2.
  *
  * Skipped work: the key range of an item is cut to what any of its rows can see (causal, window,
  * key_lengths), so fully masked tiles cost nothing; per-element masking runs only on tiles that
@@ -289,6 +299,72 @@ template <typename T, int NV, int MR = kMainMR> struct Blocked {
     }
 };
 
+/* o[r][0 : CB*L] += sum_j P[r][j] v[j][0 : CB*L] for R rows (row r of o at o + r * o_stride; P[r][j]
+ * at s[r * s_row + j * s_key]: by row in the decode, S[key][row] in forward_block), the R x CB
+ * output vectors in registers while the n value rows stream past once, converted to T as they are
+ * loaded.  Skip leaves out weights that are exactly 0 (the rerun after a non-finite output,
+ * note_stored): a test per weight, which the usual pass does not pay. */
+template <typename T, typename In, int R, int CB, bool Skip, typename Between>
+static inline void accumulate_pv(T* o, int64_t o_stride, const T* s, int64_t s_row, int64_t s_key, const In* v,
+                                 int64_t v_stride, int64_t n, Between&& between) {
+    typedef typename Vec<T>::type V;
+    constexpr int L = Vec<T>::lanes;
+    V acc[R][CB];
+    for (int r = 0; r < R; ++r)
+        for (int cb = 0; cb < CB; ++cb) acc[r][cb] = vload<V>(o + r * o_stride + cb * L);
+    for (int64_t j = 0; j < n; ++j) {
+        between(1);
+        const In* value = v + j * v_stride;
+        const T* weights = s + j * s_key;
+        V vv[CB];
+        for (int cb = 0; cb < CB; ++cb) vv[cb] = load_vector<T>(value + cb * L);
+        for (int r = 0; r < R; ++r) {
+            const T w = weights[r * s_row];
+            if (Skip && w == T(0)) continue;
+            const V weight = vbroadcast(w);
+            for (int cb = 0; cb < CB; ++cb) acc[r][cb] += weight * vv[cb];
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int cb = 0; cb < CB; ++cb) vstore(o + r * o_stride + cb * L, acc[r][cb]);
+}
+
+/* Value passes of add_weighted_values over Dv columns: blocks of CB vectors, then of CB / 2, ..., 1. */
+template <typename T, int CB> constexpr int64_t value_passes(int64_t Dv) {
+    constexpr int L = Vec<T>::lanes;
+    if constexpr (CB == 1)
+        return Dv / L;
+    else
+        return Dv / (CB * L) + value_passes<T, CB / 2>(Dv % (CB * L));
+}
+
+/* O[r][:] += sum_j P[r][j] V[j][:] for R rows over all Dv columns (row r of O at o + r * Dv, P as in
+ * accumulate_pv): blocks of CB vectors of columns, the rest in blocks of CB / 2, ..., one vector,
+ * then element by element.  between(1) before each value row of each vector pass (value_passes). */
+template <typename T, typename In, int R, int CB, typename Between>
+static void add_weighted_values(T* o, int64_t Dv, const T* s, int64_t s_row, int64_t s_key, const In* v,
+                                int64_t v_stride, int64_t n, bool skip, Between&& between, int64_t c = 0) {
+    constexpr int L = Vec<T>::lanes;
+    for (; c + CB * L <= Dv; c += CB * L) {
+        if (skip)
+            accumulate_pv<T, In, R, CB, true>(o + c, Dv, s, s_row, s_key, v + c, v_stride, n, between);
+        else
+            accumulate_pv<T, In, R, CB, false>(o + c, Dv, s, s_row, s_key, v + c, v_stride, n, between);
+    }
+    if constexpr (CB > 1) {
+        add_weighted_values<T, In, R, CB / 2>(o, Dv, s, s_row, s_key, v, v_stride, n, skip, between, c);
+    } else {
+        for (int64_t j = 0; c < Dv && j < n; ++j) {
+            const In* value = v + j * v_stride;
+            for (int r = 0; r < R; ++r) {
+                const T w = s[r * s_row + j * s_key];
+                if (skip && w == T(0)) continue;
+                for (int64_t e = c; e < Dv; ++e) o[r * Dv + e] += w * load_as<T>(value[e]);
+            }
+        }
+    }
+}
+
 /* ---- element access -------------------------------------------------------------------------- */
 
 template <typename In> static inline const In* at(const char* base, int64_t element) {
@@ -390,30 +466,33 @@ static void dropout_tile(const FwdParams& p, T* tile, int64_t key_stride, int64_
 /* ---- K and V tiles ---------------------------------------------------------------------------- */
 
 /* K and V rows of a tile in the compute type: the caller's memory read in place, or (float16 and
- * bfloat16 inputs) a converted copy in scratch. */
+ * bfloat16 inputs) a converted copy in scratch.  forward_block takes K alone (load_keys) where it
+ * reads V rows in place (add_weighted_values). */
 template <typename T, typename In> struct KvTile {
     const T* k;
     const T* v;
     int64_t k_stride, v_stride;
 
+    void load_keys(const FwdParams& p, int64_t b, int64_t kvh, int64_t kt, int64_t n, T* k_converted) {
+        k = rows(p.k, p.k_stride, p.head_dim, b, kvh, kt, n, k_converted, &k_stride);
+    }
     void load(const FwdParams& p, int64_t b, int64_t kvh, int64_t kt, int64_t n, T* k_converted, T* v_converted) {
-        const In* k_first = at<In>(p.k, b * p.k_stride[0] + kvh * p.k_stride[1] + kt * p.k_stride[2]);
-        const In* v_first = at<In>(p.v, b * p.v_stride[0] + kvh * p.v_stride[1] + kt * p.v_stride[2]);
+        load_keys(p, b, kvh, kt, n, k_converted);
+        v = rows(p.v, p.v_stride, p.head_dim_v, b, kvh, kt, n, v_converted, &v_stride);
+    }
+
+  private:
+    /* n rows of `width` elements from key kt of (b, kvh) in `base`, where they lie or converted. */
+    static const T* rows(const char* base, const int64_t* stride, int64_t width, int64_t b, int64_t kvh, int64_t kt,
+                         int64_t n, T* converted, int64_t* row_stride) {
+        const In* first = at<In>(base, b * stride[0] + kvh * stride[1] + kt * stride[2]);
         if constexpr (std::is_same<T, In>::value) {
-            k = k_first;
-            v = v_first;
-            k_stride = p.k_stride[2];
-            v_stride = p.v_stride[2];
+            *row_stride = stride[2];
+            return first;
         } else {
-            const int64_t D = p.head_dim, Dv = p.head_dim_v;
-            for (int64_t j = 0; j < n; ++j) {
-                convert_row(k_first + j * p.k_stride[2], k_converted + j * D, D);
-                convert_row(v_first + j * p.v_stride[2], v_converted + j * Dv, Dv);
-            }
-            k = k_converted;
-            v = v_converted;
-            k_stride = D;
-            v_stride = Dv;
+            for (int64_t j = 0; j < n; ++j) convert_row(first + j * stride[2], converted + j * width, width);
+            *row_stride = width;
+            return converted;
         }
     }
 };
@@ -447,6 +526,16 @@ static inline void write_row(const FwdParams& p, int64_t b, int64_t h, int64_t i
     *(reinterpret_cast<T*>(p.lse) + b * p.lse_stride[0] + h * p.lse_stride[1] + i * p.lse_stride[2]) = lse;
 }
 
+/* row[0 : n] *= factor. */
+template <typename T> static inline void scale_row(T* row, int64_t n, T factor) {
+    typedef typename Vec<T>::type V;
+    constexpr int L = Vec<T>::lanes;
+    const V f = vbroadcast(factor);
+    int64_t c = 0;
+    for (; c + L <= n; c += L) vstore(row + c, vload<V>(row + c) * f);
+    for (; c < n; ++c) row[c] *= factor;
+}
+
 /* ---- one work item ----------------------------------------------------------------------------- */
 
 /* One key tile's step of the online softmax, vectorised over rows: S[j][rows] (n keys) becomes
@@ -458,7 +547,8 @@ static inline void write_row(const FwdParams& p, int64_t b, int64_t h, int64_t i
  * score_scale is the maximum of the scaled scores (rounding is monotone and score_scale > 0), and
  * the scale folds into the exponent's FMA, so an unscaled tile costs nothing more.
  * P goes to `keep(j, r, P[j], P[j + 1])`, two keys at a time (P[n] = 0 for an odd n's last pair):
- * by default back into S (StoreProbabilities); the AMX kernel packs it into its tiles instead. */
+ * by default back into S (StoreProbabilities); the AMX kernel packs it into its tiles instead.
+ * O is O[c][rows] (c * mp + r), or with o_by_row O[r][c] (r * Dv + c: forward_block's). */
 template <typename T> struct StoreProbabilities {
     T* s;
     int64_t n, mp;
@@ -470,7 +560,7 @@ template <typename T> struct StoreProbabilities {
 
 template <typename T, typename Keep>
 static inline void online_softmax(T* s, int64_t n, int64_t mp, T* row_max, T* row_sum, T* o, int64_t Dv,
-                                  T score_scale, const Keep& keep) {
+                                  T score_scale, const Keep& keep, bool o_by_row = false) {
     typedef typename Vec<T>::type V;
     constexpr int L = Vec<T>::lanes;
     const T log2e = kLog2e<T>, score_log2e = score_scale * kLog2e<T>;
@@ -499,23 +589,49 @@ static inline void online_softmax(T* s, int64_t n, int64_t mp, T* row_max, T* ro
         vstore(row_sum + r, vload<V>(row_sum + r) * alpha + (total0 + total1));
         vstore(row_max + r, new_max);
         /* Once the rows' maxima settle, alpha is 1 in every lane and O stays as it is. */
-        if (!vequal_all(alpha, vbroadcast(T(1))))
+        if (vequal_all(alpha, vbroadcast(T(1)))) continue;
+        if (!o_by_row) {
             for (int64_t c = 0; c < Dv; ++c) vstore(o + c * mp + r, vload<V>(o + c * mp + r) * alpha);
+            continue;
+        }
+        alignas(64) T factors[L];
+        vstore(factors, alpha);
+        for (int lane = 0; lane < L; ++lane)
+            if (factors[lane] != T(1)) scale_row(o + (r + lane) * Dv, Dv, factors[lane]);
     }
 }
+
+/* forward_block keeps O by row (add_weighted_values, blocks of kValueRows rows x kValueVectors
+ * vectors of columns in registers) with 32 vector registers (AVX-512) only.  With 16 the blocks
+ * are 4 x 2 or 4 x 3, and those ran 8-12% and ~35% slower than the rows-as-lanes P.V (the AVX2
+ * level on a 2-core Zen 5: float16 C1-C5, decodes with 16-64 rows). */
+#if FASTATTN_VECTOR_BYTES == 64
+constexpr bool kValuesByRow = true;
+#else
+constexpr bool kValuesByRow = false;
+#endif
+constexpr int kValueRows = 8, kValueVectors = 2;
 
 template <typename T, typename In, int NV>
 static void forward_block(const FwdParams& p, T* scratch, int64_t b, int64_t kvh, int64_t q0, int64_t qn,
                           int64_t k_begin, int64_t k_end, T* partial_out, T* partial_lse) {
     constexpr int64_t RB = NV * Vec<T>::lanes;
+    static_assert(!kValuesByRow || RB % kValueRows == 0, "P.V's row blocks must tile the padded rows");
     const T neg_inf = -std::numeric_limits<T>::infinity();
     const int64_t D = p.head_dim, Dv = p.head_dim_v, G = p.group, N = p.key_tile;
     const int64_t rows = G * qn;
-    const int64_t mp = round_up(rows, RB);
+    const int64_t mp = round_up(rows, RB), value_rows = round_up(rows, kValueRows);
+    const bool skip = p.skip_zero_weights != 0;
+    /* O by row (add_weighted_values) for float16/bfloat16 inputs, whose V it reads without a
+     * converted copy, and for tiles of one row block; O[c][rows] (Blocked::pv_all) for larger tiles
+     * of the compute type, where by row was 6-8% slower (2-core Zen 5: fp32 C3, C5 and the Sq=16
+     * decode with 64 rows; its 8 row passes per column block fetch the V tile from L2 more often
+     * than the 2 row blocks of rows-as-lanes). */
+    const bool o_by_row = kValuesByRow && (!std::is_same<T, In>::value || mp == RB);
 
     T* qp = scratch;
     T* s = qp + mp * D;
-    T* o = s + N * mp;
+    T* o = s + N * mp; /* O[mp][Dv] by row, or O[Dv][mp] */
     T* row_max = o + Dv * mp;
     T* row_sum = row_max + mp;
     T* position = row_sum + mp;
@@ -547,16 +663,25 @@ static void forward_block(const FwdParams& p, T* scratch, int64_t b, int64_t kvh
         const int64_t n = std::min(N, hi - kt);
         if (p.mask_kind != MASK_NONE && mask_hides_tile(p, b, kvh, q0, qn, kt, n)) continue;
         KvTile<T, In> tile;
-        tile.load(p, b, kvh, kt, n, k_converted, v_converted);
+        if (o_by_row)
+            tile.load_keys(p, b, kvh, kt, n, k_converted);
+        else
+            tile.load(p, b, kvh, kt, n, k_converted, v_converted);
+        const In* v_rows = at<In>(p.v, b * p.v_stride[0] + kvh * p.v_stride[1] + kt * p.v_stride[2]);
 
-        /* S[j][rows] = K Qp^T (scale already in Qp), the next tile's K and V rows and this tile's
-         * mask rows prefetched on the way. */
+        /* The next tile's K and V rows and this tile's mask rows go to the prefetcher spread over
+         * the tile's work: a share before each block of scores (the mask's there alone) and before
+         * each value row of each P.V pass. */
         const int64_t next_n = kt + N < hi ? std::min(N, hi - kt - N) : 0;
         SpreadPrefetch<In> ahead(p, b, kvh, kt + N, next_n);
         MaskPrefetch mask_lines(p, b, kvh, q0, qn, rows, kt, n);
-        const int64_t calls = std::max<int64_t>(1, mp / RB * (n / kMainMR));
+        const int64_t score_calls = std::max<int64_t>(1, mp / RB * (n / kMainMR));
+        const int64_t value_calls = o_by_row ? value_rows / kValueRows * value_passes<T, kValueVectors>(Dv) * n : 0;
+        const int64_t calls = score_calls + value_calls;
         const int64_t lines_per_call = (ahead.total_lines() + calls - 1) / calls;
-        const int64_t mask_lines_per_call = (mask_lines.total_lines() + calls - 1) / calls;
+        const int64_t mask_lines_per_call = (mask_lines.total_lines() + score_calls - 1) / score_calls;
+
+        /* S[j][rows] = K Qp^T (scale already in Qp). */
         for (int64_t rb = 0; rb < mp; rb += RB)
             Blocked<T, NV>::qk_all(n, tile.k, tile.k_stride, qp + rb * D, D, s + rb, mp, [&] {
                 ahead.issue(lines_per_call);
@@ -565,18 +690,28 @@ static void forward_block(const FwdParams& p, T* scratch, int64_t b, int64_t kvh
 
         finish_scores<T>(p, s, nullptr, mp, rows, n, kt, b, kvh, q0, qn, position, T(1));
 
-        online_softmax<T>(s, n, mp, row_max, row_sum, o, Dv, T(1), StoreProbabilities<T>{s, n, mp});
+        online_softmax<T>(s, n, mp, row_max, row_sum, o, Dv, T(1), StoreProbabilities<T>{s, n, mp}, o_by_row);
 
-        /* O[c][rows] += V^T (P o dropout); row_sum above took P before dropout. */
+        /* O += (P o dropout)^T V; row_sum above took P before dropout. */
         if (p.dropout_p > 0) dropout_tile<T>(p, s, mp, 1, rows, n, kt, b, kvh, q0, qn, false);
-        for (int64_t rb = 0; rb < mp; rb += RB)
-            Blocked<T, NV>::pv_all(Dv, tile.v, tile.v_stride, s + rb, mp, n, o + rb, p.skip_zero_weights);
+        if (o_by_row) {
+            auto issue = [&](int64_t steps) __attribute__((always_inline)) { ahead.issue(lines_per_call * steps); };
+            for (int64_t r = 0; r < value_rows; r += kValueRows)
+                add_weighted_values<T, In, kValueRows, kValueVectors>(o + r * Dv, Dv, s + r, 1, mp, v_rows,
+                                                                       p.v_stride[2], n, skip, issue);
+        } else {
+            for (int64_t rb = 0; rb < mp; rb += RB)
+                Blocked<T, NV>::pv_all(Dv, tile.v, tile.v_stride, s + rb, mp, n, o + rb, p.skip_zero_weights);
+        }
     }
 
     /* Normalise and write: rows that saw no key get 0 and lse -inf. */
     for (int64_t r = 0; r < rows; ++r) {
         const int64_t g = r / qn, i = q0 + r % qn, h = kvh * G + g;
-        write_row<T, In>(p, b, h, i, r, o + r, mp, row_max[r], row_sum[r], partial_out, partial_lse);
+        if (o_by_row)
+            write_row<T, In>(p, b, h, i, r, o + r * Dv, 1, row_max[r], row_sum[r], partial_out, partial_lse);
+        else
+            write_row<T, In>(p, b, h, i, r, o + r, mp, row_max[r], row_sum[r], partial_out, partial_lse);
     }
 }
 
@@ -631,34 +766,6 @@ static void dot_scores(int64_t rows, const T* q, int64_t D, const In* keys, int6
             dot_scores_block<T, RB, In>(q + r * D, D, keys + u * key_stride, key_stride, s + r * N + u, N, between);
     if constexpr (RB > 1)
         if (r < rows) dot_scores<T, RB / 2, In>(rows - r, q + r * D, D, keys, key_stride, s + r * N, N, between);
-}
-
-/* o[r][0 : CB*L] += sum_j s[r][j] v[j][0 : CB*L] for the R rows (row r of o at o + r * o_stride, of s
- * at s + r * s_stride), the R x CB output vectors in registers while the n value rows stream past
- * once.  Skip leaves out weights that are exactly 0 (the rerun after a non-finite output,
- * note_stored): a test per weight, which the usual pass does not pay. */
-template <typename T, typename In, int R, int CB, bool Skip, typename Between>
-static inline void accumulate_pv(T* o, int64_t o_stride, const T* s, int64_t s_stride, const In* v, int64_t v_stride,
-                                 int64_t n, Between&& between) {
-    typedef typename Vec<T>::type V;
-    constexpr int L = Vec<T>::lanes;
-    V acc[R][CB];
-    for (int r = 0; r < R; ++r)
-        for (int cb = 0; cb < CB; ++cb) acc[r][cb] = vload<V>(o + r * o_stride + cb * L);
-    for (int64_t j = 0; j < n; ++j) {
-        between(1);
-        const In* value = v + j * v_stride;
-        V vv[CB];
-        for (int cb = 0; cb < CB; ++cb) vv[cb] = load_vector<T>(value + cb * L);
-        for (int r = 0; r < R; ++r) {
-            const T w = s[r * s_stride + j];
-            if (Skip && w == T(0)) continue;
-            const V weight = vbroadcast(w);
-            for (int cb = 0; cb < CB; ++cb) acc[r][cb] += weight * vv[cb];
-        }
-    }
-    for (int r = 0; r < R; ++r)
-        for (int cb = 0; cb < CB; ++cb) vstore(o + r * o_stride + cb * L, acc[r][cb]);
 }
 
 /* The decode rows' heads, queries and key positions (row r: head kvh * G + r / qn, query q0 + r % qn)
@@ -780,7 +887,7 @@ static void dot_tile(const FwdParams& p, DotHead<T, R>& h, int64_t b, int64_t q0
     constexpr int L = Vec<T>::lanes;
     constexpr int CB = R >= 8 ? 2 : R >= 4 ? 4 : 8; /* O columns (vectors) held per row */
     const int64_t D = p.head_dim, Dv = p.head_dim_v, N = p.key_tile;
-    const int64_t d_main = D / L * L, dv_main = Dv / (L * CB) * (L * CB);
+    const int64_t d_main = D / L * L;
     const bool skip = p.skip_zero_weights != 0;
     T* q = h.q;
     T* s = h.s;
@@ -794,7 +901,7 @@ static void dot_tile(const FwdParams& p, DotHead<T, R>& h, int64_t b, int64_t q0
     const int64_t k_row_stride = p.k_stride[2], v_row_stride = p.v_stride[2];
     /* issue(steps) hands over `steps` calls' share of `ahead`: D / L for a score block (R / RB blocks
      * per L keys), 1 for each value row. */
-    const int64_t calls = std::max<int64_t>(1, R * (n / L) * (D / L) + dv_main / (CB * L) * n);
+    const int64_t calls = std::max<int64_t>(1, R * (n / L) * (D / L) + value_passes<T, CB>(Dv) * n);
     const int64_t lines_per_call = (ahead.total_lines() + calls - 1) / calls;
     auto issue = [&](int64_t steps) __attribute__((always_inline)) { ahead.issue(lines_per_call * steps); };
 
@@ -831,19 +938,7 @@ static void dot_tile(const FwdParams& p, DotHead<T, R>& h, int64_t b, int64_t q0
     softmax_rows<T>(p, s, N, R, n, kt, b, h.kvh, q0, qn, h.head, h.query, h.position, h.row_max, h.row_sum, o);
 
     /* O[r][:] += P[r][j] V[j][:], CB vectors of each row's O in registers. */
-    for (int64_t c = 0; c < dv_main; c += CB * L) {
-        if (skip)
-            accumulate_pv<T, In, R, CB, true>(o + c, Dv, s, N, v_rows + c, v_row_stride, n, issue);
-        else
-            accumulate_pv<T, In, R, CB, false>(o + c, Dv, s, N, v_rows + c, v_row_stride, n, issue);
-    }
-    for (int64_t j = 0; dv_main < Dv && j < n; ++j) {
-        const In* value = v_rows + j * v_row_stride;
-        for (int r = 0; r < R; ++r) {
-            if (skip && s[r * N + j] == T(0)) continue;
-            for (int64_t c = dv_main; c < Dv; ++c) o[r * Dv + c] += s[r * N + j] * load_as<T>(value[c]);
-        }
-    }
+    add_weighted_values<T, In, R, CB>(o, Dv, s, N, 1, v_rows, v_row_stride, n, skip, issue);
 }
 
 template <typename T, typename In, int R>
