@@ -23,6 +23,7 @@ peak RSS beyond inputs, outputs and gradients, measured in a subprocess.
     python benchmarks/bench_cpu.py --dtype bfloat16 --passes forward   # against torch's bf16 SDPA and gemm
     python benchmarks/bench_cpu.py --cases C1 C2 --masks bool-keys float-full   # what masks cost
     python benchmarks/bench_cpu.py --cases C6 --passes forward --layouts bhsd bshd kv-cache   # memory orders
+    python benchmarks/bench_cpu.py --cases C6 C6q4 C6q16 C6mha64 --passes forward --dtype float16   # decodes
 """
 
 from __future__ import annotations
@@ -62,7 +63,16 @@ CASES: dict[str, tuple[int, int, int, int, int, int, bool]] = {
     "C4": (1, 8, 8, 4096, 4096, 128, True),
     "C5": (1, 32, 8, 2048, 2048, 128, True),
     "C6": (8, 32, 8, 1, 4096, 128, False),
+    # Decodes of several query positions (speculative decoding's draft tokens, issue #23's Sq <= 16)
+    # over C6's cache: 4 and 16 positions x GQA 4 = 16 and 64 rows a kv head.  Not causal: the drafts'
+    # causal edge hides a few of 4096 keys, and torch's SDPA has no bottom-right causal flag.
+    "C6q4": (8, 32, 8, 4, 4096, 128, False),
+    "C6q16": (8, 32, 8, 16, 4096, 128, False),
+    # A multi-head (no GQA) decode of head size 64, as GPT-2-sized models run: one row a kv head.
+    "C6mha64": (8, 32, 32, 1, 2048, 64, False),
 }
+#: The cases a run times unless ``--cases`` names others: DESIGN.md §5's C1-C6.
+DEFAULT_CASES = ["C1", "C2", "C3", "C4", "C5", "C6"]
 
 #: How the inputs lie in memory (``--layouts``); every implementation indexes them (B, H, S, D), and
 #: fastattn is called with ``layout="bshd"`` on the (B, S, H, D) views where that is the memory's order:
@@ -554,7 +564,7 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> int:
     global WARMUPS
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    parser.add_argument("--cases", nargs="+", default=DEFAULT_CASES, choices=list(CASES))
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument(
         "--passes", nargs="+", default=["forward", "forward+backward"], choices=["forward", "forward+backward"]
@@ -601,8 +611,8 @@ def main(argv: list[str] | None = None) -> int:
             and not ((arguments.no_numpy or arguments.dtype != "float32") and label == "numpy naive")
         }
         for name in arguments.cases:
-            if direction == "forward+backward" and CASES[name][3] == 1:
-                continue  # decode (Sq = 1) is an inference path: forward only
+            if direction == "forward+backward" and CASES[name][3] <= DECODE_ROWS:
+                continue  # decodes are an inference path: forward only
             for mask_kind in arguments.masks:
                 chosen = {label: make for label, make in impls.items() if mask_kind == "none" or label != "numpy naive"}
                 for layout in arguments.layouts:
