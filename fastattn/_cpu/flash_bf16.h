@@ -300,20 +300,41 @@ static inline __m512bh broadcast_pair(const uint16_t* at) {
 template <int MR, int NV, bool Accumulate, typename Between>
 static inline void pairs_dot(const uint16_t* x, int64_t x_m, int64_t x_p, const uint16_t* y, int64_t y_v, int64_t y_p,
                              int64_t pairs, float* c, int64_t mp, Between&& between) {
-    __m512 acc[MR][NV];
+    /* With one vector of lanes, MR accumulators are MR chains of vdpbf16ps, fewer than its latency
+     * times its two pipes: even and odd pairs then add into separate accumulators (CH = 2). */
+    constexpr int CH = NV == 1 ? 2 : 1;
+    __m512 acc[CH][MR][NV];
     for (int m = 0; m < MR; ++m)
-        for (int v = 0; v < NV; ++v) acc[m][v] = Accumulate ? _mm512_loadu_ps(c + m * mp + v * 16) : _mm512_setzero_ps();
-    for (int64_t p = 0; p < pairs; ++p) {
+        for (int v = 0; v < NV; ++v) {
+            acc[0][m][v] = Accumulate ? _mm512_loadu_ps(c + m * mp + v * 16) : _mm512_setzero_ps();
+            for (int h = 1; h < CH; ++h) acc[h][m][v] = _mm512_setzero_ps();
+        }
+    int64_t p = 0;
+    for (; p + CH <= pairs; p += CH) {
+        between();
+        for (int h = 0; h < CH; ++h) {
+            __m512bh yv[NV];
+            for (int v = 0; v < NV; ++v) yv[v] = (__m512bh)_mm512_loadu_si512(y + v * y_v + (p + h) * y_p);
+            for (int m = 0; m < MR; ++m) {
+                const __m512bh xb = broadcast_pair(x + m * x_m + (p + h) * x_p);
+                for (int v = 0; v < NV; ++v) acc[h][m][v] = _mm512_dpbf16_ps(acc[h][m][v], yv[v], xb);
+            }
+        }
+    }
+    for (; p < pairs; ++p) {
         between();
         __m512bh yv[NV];
         for (int v = 0; v < NV; ++v) yv[v] = (__m512bh)_mm512_loadu_si512(y + v * y_v + p * y_p);
         for (int m = 0; m < MR; ++m) {
             const __m512bh xb = broadcast_pair(x + m * x_m + p * x_p);
-            for (int v = 0; v < NV; ++v) acc[m][v] = _mm512_dpbf16_ps(acc[m][v], yv[v], xb);
+            for (int v = 0; v < NV; ++v) acc[0][m][v] = _mm512_dpbf16_ps(acc[0][m][v], yv[v], xb);
         }
     }
     for (int m = 0; m < MR; ++m)
-        for (int v = 0; v < NV; ++v) _mm512_storeu_ps(c + m * mp + v * 16, acc[m][v]);
+        for (int v = 0; v < NV; ++v) {
+            for (int h = 1; h < CH; ++h) acc[0][m][v] = _mm512_add_ps(acc[0][m][v], acc[h][m][v]);
+            _mm512_storeu_ps(c + m * mp + v * 16, acc[0][m][v]);
+        }
 }
 
 constexpr int kPairsMR = 8;
