@@ -701,17 +701,15 @@ static void forward_block(const FwdParams& p, T* scratch, int64_t b, int64_t kvh
                                                                        p.v_stride[2], n, skip, issue);
         } else {
             for (int64_t rb = 0; rb < mp; rb += RB)
-                Blocked<T, NV>::pv_all(Dv, tile.v, tile.v_stride, s + rb, mp, n, o + rb, p.skip_zero_weights);
+                Blocked<T, NV>::pv_all(Dv, tile.v, tile.v_stride, s + rb, mp, n, o + rb, skip);
         }
     }
 
     /* Normalise and write: rows that saw no key get 0 and lse -inf. */
     for (int64_t r = 0; r < rows; ++r) {
         const int64_t g = r / qn, i = q0 + r % qn, h = kvh * G + g;
-        if (o_by_row)
-            write_row<T, In>(p, b, h, i, r, o + r * Dv, 1, row_max[r], row_sum[r], partial_out, partial_lse);
-        else
-            write_row<T, In>(p, b, h, i, r, o + r, mp, row_max[r], row_sum[r], partial_out, partial_lse);
+        write_row<T, In>(p, b, h, i, r, o_by_row ? o + r * Dv : o + r, o_by_row ? 1 : mp, row_max[r], row_sum[r],
+                         partial_out, partial_lse);
     }
 }
 
