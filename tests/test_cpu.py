@@ -229,11 +229,7 @@ def test_row_blocks_of_the_vector_forward_match_oracle(options, dtype, threads) 
         "seed": int(np.random.default_rng().integers(2**32)),
     }
     case = Case(**{**base, **options})
-    numpy_dtype = fastattn._arrays.numpy_dtype(dtype)
-    q = np.zeros((case.batch, case.heads_q, case.seq_q, case.head_dim), numpy_dtype)
-    k = np.zeros((case.batch, case.heads_kv, case.seq_k, case.head_dim), numpy_dtype)
-    v = np.zeros((case.batch, case.heads_kv, case.seq_k, case.head_dim_v), numpy_dtype)
-    problem = fastattn.explain(q, k, v).problem
+    problem = _problem_of(case)
     rows = case.group * min(case.seq_q, cpu_backend.TILE_ROWS // case.group)
     if not (dtype == "bfloat16" and isa.active() in ("avx512bf16", "amx")):
         assert _flash.forward_kernel(problem, rows, cpu_backend.KEY_TILE) == "vector"
@@ -274,10 +270,12 @@ def _bfloat16_case(options: dict, **fields) -> Case:
 
 
 def _problem_of(case: Case):
-    """The validated problem of ``case``'s shapes (zero arrays: only the shapes matter)."""
-    q = np.zeros((case.batch, case.heads_q, case.seq_q, case.head_dim), ml_dtypes.bfloat16)
-    k = np.zeros((case.batch, case.heads_kv, case.seq_k, case.head_dim), ml_dtypes.bfloat16)
-    v = np.zeros((case.batch, case.heads_kv, case.seq_k, case.head_dim_v), ml_dtypes.bfloat16)
+    """The validated problem of ``case``'s shapes and dtype, ``(B, H, S, D)`` (zero arrays: only the
+    shapes matter)."""
+    dtype = fastattn._arrays.numpy_dtype(case.dtype)
+    q = np.zeros((case.batch, case.heads_q, case.seq_q, case.head_dim), dtype)
+    k = np.zeros((case.batch, case.heads_kv, case.seq_k, case.head_dim), dtype)
+    v = np.zeros((case.batch, case.heads_kv, case.seq_k, case.head_dim_v), dtype)
     return fastattn.explain(q, k, v).problem
 
 
