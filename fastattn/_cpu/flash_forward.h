@@ -221,6 +221,33 @@ static inline void qk_kernel(const T* k, int64_t k_stride, const T* qp, int64_t 
         for (int v = 0; v < NV; ++v) vstore(s + m * mp + v * L, acc[m][v]);
 }
 
+/* qk_kernel for 8 keys and one vector of rows with between() before each kDepthChunk steps of the
+ * depth (forward_block's spread prefetch: a few lines every 128 FMAs).  The 8 key rows are two base
+ * pointers and two strides (k_stride, 3 k_stride) in x86's base + index * scale: with one index
+ * register a row, the prefetch walk's registers spilled them. */
+constexpr int64_t kDepthChunk = 16;
+template <typename T, typename Between>
+static inline void qk_kernel_spread(const T* k, int64_t k_stride, const T* qp, int64_t depth, T* s, int64_t mp,
+                                    Between&& between) {
+    typedef typename Vec<T>::type V;
+    V acc[8];
+    for (int m = 0; m < 8; ++m) acc[m] = V{};
+    const T* first = k;
+    const T* fifth = k + 4 * k_stride;
+    const int64_t one = k_stride, three = 3 * k_stride;
+    for (int64_t d0 = 0; d0 < depth; d0 += kDepthChunk) {
+        between();
+        const int64_t d1 = std::min(depth, d0 + kDepthChunk);
+        for (int64_t d = d0; d < d1; ++d, ++first, ++fifth) {
+            const V qv = vload<V>(qp + d * Vec<T>::lanes);
+            const T values[8] = {first[0], first[one], first[2 * one], first[three],
+                                 fifth[0], fifth[one], fifth[2 * one], fifth[three]};
+            for (int m = 0; m < 8; ++m) acc[m] += vbroadcast<T>(values[m]) * qv;
+        }
+    }
+    for (int m = 0; m < 8; ++m) vstore(s + m * mp, acc[m]);
+}
+
 /* O[m][rows] += sum_j V[j][m] * P[j][rows] for MR output columns and NV vectors of rows. */
 template <typename T, int MR, int NV, bool Skip>
 static inline void pv_kernel(const T* vt, int64_t v_stride, const T* p, int64_t mp, int64_t keys, T* o) {
@@ -601,6 +628,16 @@ static inline void online_softmax(T* s, int64_t n, int64_t mp, T* row_max, T* ro
     }
 }
 
+/* One vector of rows' scores of a tile, between() every kDepthChunk steps (forward_block's
+ * spread_scores), out of line: forward_block's other paths keep the code they had without it. */
+template <typename T, typename Between>
+__attribute__((noinline)) static void spread_scores_tile(int64_t n, const T* k, int64_t k_stride, const T* qp,
+                                                         int64_t D, T* s, int64_t mp, Between between) {
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) qk_kernel_spread<T>(k + j * k_stride, k_stride, qp, D, s + j * mp, mp, between);
+    if (j < n) Blocked<T, 1>::qk_all(n - j, k + j * k_stride, k_stride, qp, D, s + j * mp, mp);
+}
+
 /* forward_block keeps O by row (add_weighted_values, blocks of kValueRows rows x kValueVectors
  * vectors of columns in registers) with 32 vector registers (AVX-512) only.  With 16 the blocks
  * are 4 x 2 or 4 x 3, and those ran 8-12% and ~35% slower than the rows-as-lanes P.V (the AVX2
@@ -670,23 +707,53 @@ static void forward_block(const FwdParams& p, T* scratch, int64_t b, int64_t kvh
         const In* v_rows = at<In>(p.v, b * p.v_stride[0] + kvh * p.v_stride[1] + kt * p.v_stride[2]);
 
         /* The next tile's K and V rows and this tile's mask rows go to the prefetcher spread over
-         * the tile's work: a share before each block of scores (the mask's there alone) and before
-         * each value row of each P.V pass. */
+         * the tile's work: shares during the scores (the mask's there alone) and before each value
+         * row of each P.V pass.  float32 tiles of one vector of rows with O by row, decodes that wait
+         * on memory, split the lines between the two in proportion to their FMAs and issue the
+         * scores' share every kDepthChunk steps (spread_scores_tile): with a share before each block
+         * of 8 keys the lines came almost all during P.V, and memory idled through the scores
+         * (bench_cpu.py C6q4 float32 on a 2-core Zen 5: 8.35 -> 7.07 ms, 66-73% -> 72-75% of the read).
+         * The others keep the scores' loop free of the prefetch walk, a share before each block of
+         * scores (as many lines a call as P.V's): half precision inputs are bound by their FMAs
+         * (the spread made C6q4 float16 4-9% slower), and with two vectors of rows the walk's
+         * registers spill the loop's. */
         const int64_t next_n = kt + N < hi ? std::min(N, hi - kt - N) : 0;
         SpreadPrefetch<In> ahead(p, b, kvh, kt + N, next_n);
         MaskPrefetch mask_lines(p, b, kvh, q0, qn, rows, kt, n);
-        const int64_t score_calls = std::max<int64_t>(1, mp / RB * (n / kMainMR));
+        int64_t score_calls = std::max<int64_t>(1, mp / RB * (n / kMainMR));
         const int64_t value_calls = o_by_row ? value_rows / kValueRows * value_passes<T, kValueVectors>(Dv) * n : 0;
-        const int64_t calls = score_calls + value_calls;
-        const int64_t lines_per_call = (ahead.total_lines() + calls - 1) / calls;
+        constexpr bool spread_capable = kValuesByRow && std::is_same<T, In>::value && NV == 1;
+        const bool spread_scores = spread_capable && value_calls > 0; /* Dv of a vector or more */
+        int64_t lines_per_score_call = (ahead.total_lines() + score_calls + value_calls - 1) / (score_calls + value_calls);
+        int64_t lines_per_value_call = lines_per_score_call;
+        if constexpr (spread_capable) {
+            if (spread_scores) {
+                score_calls = std::max<int64_t>(1, n / 8 * ((D + kDepthChunk - 1) / kDepthChunk));
+                const int64_t score_lines = ahead.total_lines() * D / (D + Dv * value_rows / mp);
+                lines_per_score_call = (score_lines + score_calls - 1) / score_calls;
+                lines_per_value_call = (ahead.total_lines() - score_lines + value_calls - 1) / value_calls;
+            }
+        }
         const int64_t mask_lines_per_call = (mask_lines.total_lines() + score_calls - 1) / score_calls;
 
         /* S[j][rows] = K Qp^T (scale already in Qp). */
-        for (int64_t rb = 0; rb < mp; rb += RB)
-            Blocked<T, NV>::qk_all(n, tile.k, tile.k_stride, qp + rb * D, D, s + rb, mp, [&] {
-                ahead.issue(lines_per_call);
-                mask_lines.issue(mask_lines_per_call);
-            });
+        auto issue_scores_share = [&] {
+            ahead.issue(lines_per_score_call);
+            mask_lines.issue(mask_lines_per_call);
+        };
+        if constexpr (spread_capable) {
+            if (spread_scores) {
+                /* Without a mask, a hook without the mask's walk: the loop keeps its registers. */
+                if (mask_lines.total_lines() > 0)
+                    spread_scores_tile<T>(n, tile.k, tile.k_stride, qp, D, s, mp, issue_scores_share);
+                else
+                    spread_scores_tile<T>(n, tile.k, tile.k_stride, qp, D, s, mp,
+                                          [&] { ahead.issue(lines_per_score_call); });
+            }
+        }
+        if (!spread_scores)
+            for (int64_t rb = 0; rb < mp; rb += RB)
+                Blocked<T, NV>::qk_all(n, tile.k, tile.k_stride, qp + rb * D, D, s + rb, mp, issue_scores_share);
 
         finish_scores<T>(p, s, nullptr, mp, rows, n, kt, b, kvh, q0, qn, position, T(1));
 
@@ -695,7 +762,7 @@ static void forward_block(const FwdParams& p, T* scratch, int64_t b, int64_t kvh
         /* O += (P o dropout)^T V; row_sum above took P before dropout. */
         if (p.dropout_p > 0) dropout_tile<T>(p, s, mp, 1, rows, n, kt, b, kvh, q0, qn, false);
         if (o_by_row) {
-            auto issue = [&](int64_t steps) __attribute__((always_inline)) { ahead.issue(lines_per_call * steps); };
+            auto issue = [&](int64_t steps) __attribute__((always_inline)) { ahead.issue(lines_per_value_call * steps); };
             for (int64_t r = 0; r < value_rows; r += kValueRows)
                 add_weighted_values<T, In, kValueRows, kValueVectors>(o + r * Dv, Dv, s + r, 1, mp, v_rows,
                                                                        p.v_stride[2], n, skip, issue);
