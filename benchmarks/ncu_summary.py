@@ -38,7 +38,7 @@ def parse(text: str) -> dict[str, tuple[list[str], list[list[str]]]]:
             for line in lines[first:end]
             if line.startswith("0x")
         ]
-        name = " ".join(line[source[0] :].strip() for line in lines[start : rule])
+        name = "".join(line[source[0] : source[1]].strip() for line in lines[start:rule])  # wrapped mid-word
         kernels[name] = (columns, rows)
     return kernels
 
