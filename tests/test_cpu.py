@@ -296,13 +296,57 @@ def test_bfloat16_large_tiles_match_oracle(options) -> None:
     if isa.active() == "amx":  # 20 items of 64 positions: four for each of up to 5 threads
         problem = _problem_of(case)
         assert cpu_backend.tile_sizes(problem, 2) == (cpu_backend.AMX_TILE_ROWS, cpu_backend.AMX_KEY_TILE)
-        assert cpu_backend.forward_plan(problem, 2).packs_values, "five query blocks share each packed V tile"
+        assert cpu_backend.forward_plan(problem, 2).packs_kv, "five query blocks share each packed V tile"
     before = fastattn.get_num_threads()
     fastattn.set_num_threads(2)
     try:
         check_forward("cpu", "cpu", case)
     finally:
         fastattn.set_num_threads(before)
+
+
+#: float16/bfloat16 prefills whose K and V the 16-register levels convert once per call: a partial last
+#: tile, keys past key_lengths (left unconverted), a window with a float mask, bshd strided views.
+CONVERTED_KV_CASES = {
+    "plain-partial-tile": {},
+    "causal-key-lengths": {"causal": True, "key_lengths": (600, 77)},
+    "window-float-mask-dv-48-bshd-strided": {"window": (150, 20), "mask_kind": "float", "mask_shape": (300, 600),
+                                             "head_dim_v": 48, "layout": "bshd", "strided": "strided"},
+}
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("options", list(CONVERTED_KV_CASES.values()), ids=list(CONVERTED_KV_CASES))
+def test_half_precision_keys_and_values_converted_once_match_oracle(options, dtype, threads) -> None:
+    """float16/bfloat16 prefills (2 kv heads of group 2, 300 positions: ten query blocks a head) at
+    the avx2 and generic levels convert K and V to float32 once per call, before the items
+    (``converts_kv_once`` in fastattn/_cpu/flash_forward.h); the levels with 32 registers do not."""
+    case = _bfloat16_case(options, dtype=dtype)
+    plan = cpu_backend.forward_plan(_problem_of(case), 2)
+    if isa.active() in ("avx2", "generic"):
+        assert plan.packs_kv, "ten query blocks share each converted K/V tile"
+    elif isa.active() == "avx512":
+        assert not plan.packs_kv
+    fastattn.set_num_threads(2)
+    check_forward("cpu", "cpu", case)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_garbage_past_key_lengths_stays_out_of_keys_converted_once(dtype: str) -> None:
+    """NaN and infinity past a batch row's key_lengths (the pass leaves those keys unconverted, and no
+    item reads them) reach no output: a float16/bfloat16 prefill of 7 query blocks a kv head."""
+    rng = np.random.default_rng()
+    element = fastattn._arrays.numpy_dtype(dtype)
+    shapes = ((2, 4, 100, 64), (2, 2, 300, 64), (2, 2, 300, 40))
+    q, k, v = (rng.standard_normal(shape).astype(element) for shape in shapes)
+    key_lengths = np.array([300, 77])
+    k[1, :, 77:], v[1, :, 77:] = np.nan, np.inf
+    out = fastattn.attention(q, k, v, key_lengths=key_lengths, backend="cpu")
+    clean_k, clean_v = k.astype(np.float64), v.astype(np.float64)
+    clean_k[1, :, 77:], clean_v[1, :, 77:] = 0.0, 0.0
+    expected = fastattn.attention(q.astype(np.float64), clean_k, clean_v, key_lengths=key_lengths, backend="reference")
+    assert np.isfinite(out.astype(np.float64)).all()
+    assert relative_error(out.astype(np.float64), expected) <= FORWARD_TOLERANCE[dtype]
 
 
 PAIRS_FORWARD_CASES = {

@@ -69,7 +69,7 @@ cdef extern from "params.h" namespace "fastattn" nogil:
         int64_t head_group
         char* partial_out
         char* partial_lse
-        char* packed_values
+        char* packed_kv
         int skip_zero_weights
         int* nonfinite_output
         double dropout_p
@@ -375,8 +375,9 @@ cdef class ForwardPlan:
         return self.kernels.name.decode("ascii")
 
     @property
-    def packs_values(self):
-        """Whether a run packs V once for all query blocks before its items (bfloat16 on AMX tiles)."""
+    def packs_kv(self):
+        """Whether a run prepares K/V once for all query blocks before its items: V^T for bfloat16 on
+        AMX tiles, float32 copies of float16/bfloat16 K and V at the 16-register levels (avx2, generic)."""
         return self.packed_bytes > 0
 
     def run(self, q, k, v, extras):
@@ -412,7 +413,7 @@ cdef class ForwardPlan:
             p.partial_out = _scratch(SCRATCH_ROWS, self.partial_elements * (p.head_dim_v + 1) * compute_bytes)
             p.partial_lse = p.partial_out + self.partial_elements * p.head_dim_v * compute_bytes
         if self.packed_bytes:
-            p.packed_values = _scratch(SCRATCH_VALUES, self.packed_bytes)
+            p.packed_kv = _scratch(SCRATCH_VALUES, self.packed_bytes)
         with nogil:
             self._pass(&p, scratch)
             if nonfinite:  # see note_stored in flash_forward.h: rerun skipping zero-weight products
@@ -421,7 +422,7 @@ cdef class ForwardPlan:
         return out, lse
 
     cdef void _pass(self, FwdParams* p, char* scratch) noexcept nogil:
-        if p.packed_values != NULL and not p.skip_zero_weights:
+        if p.packed_kv != NULL and not p.skip_zero_weights:
             _for_items(self.kernels.forward_pack, p, NULL, 0, self.packed_tiles, self.thread_count, False)
         _for_items(self.kernels.forward_item, p, scratch, self.scratch_bytes, self.items, self.thread_count, True)
         if p.splits > 1:

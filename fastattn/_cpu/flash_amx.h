@@ -273,7 +273,7 @@ static void pairs_product(const uint16_t* a, int64_t a_stride, int64_t m, int64_
  *
  * Every query block of a kv head transposes the same V tiles (pack_values_transposed, 6-10% of the
  * forward's time).  Where the kernels run on AMX tiles and a kv head has several query blocks, a
- * pass before the items packs each (b, kv head, key tile) once into packed_values; the items read it.
+ * pass before the items packs each (b, kv head, key tile) once into packed_kv; the items read it.
  * A tile holds the keys below its batch row's key_lengths (the rest never are read, and may be
  * anything); a slot is N x Dv elements whatever the tile's keys. */
 static bool amx_packs_values(const FwdParams& p) {
@@ -298,7 +298,7 @@ static inline const uint16_t* packed_value_tile(const FwdParams& p, int64_t b, i
                                                 int64_t* steps) {
     *steps = (packed_value_keys(p, b, tile) + 31) / 32;
     const int64_t slot = (b * p.heads_kv + kvh) * packed_value_tiles(p) + tile;
-    return reinterpret_cast<const uint16_t*>(p.packed_values) + slot * p.key_tile * p.head_dim_v;
+    return reinterpret_cast<const uint16_t*>(p.packed_kv) + slot * p.key_tile * p.head_dim_v;
 }
 
 /* The pass's item: one (b, kv head, key tile). */
@@ -309,7 +309,7 @@ static void pack_value_item(const FwdParams& p, int64_t item) {
     const int64_t slot = (b * p.heads_kv + kvh) * packed_value_tiles(p) + tile;
     const uint16_t* v = at<uint16_t>(p.v, b * p.v_stride[0] + kvh * p.v_stride[1] + tile * p.key_tile * p.v_stride[2]);
     pack_values_transposed(v, p.v_stride[2], n, p.head_dim_v,
-                           reinterpret_cast<uint16_t*>(p.packed_values) + slot * p.key_tile * p.head_dim_v);
+                           reinterpret_cast<uint16_t*>(p.packed_kv) + slot * p.key_tile * p.head_dim_v);
 }
 
 /* ---- one work item --------------------------------------------------------------------------------- */
@@ -328,7 +328,7 @@ static void forward_block_amx(const FwdParams& p, char* scratch, int64_t b, int6
     visible_keys(p, b, q0, qn, k_begin, k_end, &lo, &hi);
     /* Packed tiles start at multiples of N: a window's first tile starts there too (its keys before
      * the window are hidden by finish_scores' edge test). */
-    if (p.packed_values) lo = lo / N * N;
+    if (p.packed_kv) lo = lo / N * N;
 
     const PackProbabilities packer{buffers.pb, N, interleave_halves_index()};
     configure_tiles();
@@ -342,7 +342,7 @@ static void forward_block_amx(const FwdParams& p, char* scratch, int64_t b, int6
         scores_to_pairs(p, buffers, packer, b, kvh, q0, qn, mp, kt, n);
         const uint16_t* vt = buffers.vt;
         int64_t steps = (n + 31) / 32;
-        if (p.packed_values) { /* packed once for all query blocks: packed_value_tile */
+        if (p.packed_kv) { /* packed once for all query blocks: packed_value_tile */
             vt = packed_value_tile(p, b, kvh, kt / N, &steps);
         } else {
             pack_values_transposed(v, p.v_stride[2], n, Dv, buffers.vt);

@@ -25,7 +25,8 @@
  * slower for fp32 tiles of two row blocks (C3, C5, 64-row decodes), and with 16 registers (4 x 2
  * or 4 x 3 blocks) 8-35% slower everywhere (forward_block's o_by_row).  K is read in place when the
  * input is the compute type; float16/bfloat16 K tiles are converted into scratch first (the decode
- * path, DotKernel, converts K in registers).
+ * path, DotKernel, converts K in registers), and with 16 registers K and V are converted once per
+ * call for all query blocks (converts_kv_once).
  *
  * Tile sizes: RB = 2 vectors of rows (32 floats with AVX-512, 16 with AVX2), 1 vector when the
  * tile has that few rows (decode); MR = 8 (AVX-512, 32 registers: 16 accumulators) or 6 (AVX2,
@@ -492,23 +493,58 @@ static void dropout_tile(const FwdParams& p, T* tile, int64_t key_stride, int64_
 
 /* ---- K and V tiles ---------------------------------------------------------------------------- */
 
-/* K and V rows of a tile in the compute type: the caller's memory read in place, or (float16 and
- * bfloat16 inputs) a converted copy in scratch.  forward_block takes K alone (load_keys) where it
- * reads V rows in place (add_weighted_values). */
+/* forward_block keeps O by row (add_weighted_values, blocks of kValueRows rows x kValueVectors
+ * vectors of columns in registers) with 32 vector registers (AVX-512) only.  With 16 the blocks
+ * are 4 x 2 or 4 x 3, and those ran 8-12% and ~35% slower than the rows-as-lanes P.V (the AVX2
+ * level on a 2-core Zen 5: float16 C1-C5, decodes with 16-64 rows). */
+#if FASTATTN_VECTOR_BYTES == 64
+constexpr bool kValuesByRow = true;
+#else
+constexpr bool kValuesByRow = false;
+#endif
+constexpr int kValueRows = 8, kValueVectors = 2;
+
+/* Float32 copies of float16/bfloat16 K and V made once per call (converts_kv_once, at levels
+ * without kValuesByRow only: at the AMX level packed_kv holds V^T instead): K [B][Hkv][Sk][D], then
+ * V [B][Hkv][Sk][Dv], in packed_kv. */
+template <typename T> static inline T* converted_keys(const FwdParams& p, int64_t b, int64_t kvh) {
+    return reinterpret_cast<T*>(p.packed_kv) + (b * p.heads_kv + kvh) * p.seq_k * p.head_dim;
+}
+template <typename T> static inline T* converted_values(const FwdParams& p, int64_t b, int64_t kvh) {
+    return reinterpret_cast<T*>(p.packed_kv) + p.batch * p.heads_kv * p.seq_k * p.head_dim +
+           (b * p.heads_kv + kvh) * p.seq_k * p.head_dim_v;
+}
+
+/* K and V rows of a tile in the compute type: the caller's memory read in place, the copies made
+ * once per call, or (float16 and bfloat16 inputs otherwise) a converted copy in scratch.
+ * forward_block takes K alone (load_keys) where it reads V rows in place (add_weighted_values). */
 template <typename T, typename In> struct KvTile {
     const T* k;
     const T* v;
     int64_t k_stride, v_stride;
 
     void load_keys(const FwdParams& p, int64_t b, int64_t kvh, int64_t kt, int64_t n, T* k_converted) {
+        if (converted_once(p)) {
+            k = converted_keys<T>(p, b, kvh) + kt * p.head_dim;
+            k_stride = p.head_dim;
+            return;
+        }
         k = rows(p.k, p.k_stride, p.head_dim, b, kvh, kt, n, k_converted, &k_stride);
     }
     void load(const FwdParams& p, int64_t b, int64_t kvh, int64_t kt, int64_t n, T* k_converted, T* v_converted) {
         load_keys(p, b, kvh, kt, n, k_converted);
+        if (converted_once(p)) {
+            v = converted_values<T>(p, b, kvh) + kt * p.head_dim_v;
+            v_stride = p.head_dim_v;
+            return;
+        }
         v = rows(p.v, p.v_stride, p.head_dim_v, b, kvh, kt, n, v_converted, &v_stride);
     }
 
   private:
+    static bool converted_once(const FwdParams& p) {
+        return !kValuesByRow && !std::is_same<T, In>::value && p.packed_kv != nullptr;
+    }
     /* n rows of `width` elements from key kt of (b, kvh) in `base`, where they lie or converted. */
     static const T* rows(const char* base, const int64_t* stride, int64_t width, int64_t b, int64_t kvh, int64_t kt,
                          int64_t n, T* converted, int64_t* row_stride) {
@@ -637,17 +673,6 @@ __attribute__((noinline)) static void spread_scores_tile(int64_t n, const T* k, 
     for (; j + 8 <= n; j += 8) qk_kernel_spread<T>(k + j * k_stride, k_stride, qp, D, s + j * mp, mp, between);
     if (j < n) Blocked<T, 1>::qk_all(n - j, k + j * k_stride, k_stride, qp, D, s + j * mp, mp);
 }
-
-/* forward_block keeps O by row (add_weighted_values, blocks of kValueRows rows x kValueVectors
- * vectors of columns in registers) with 32 vector registers (AVX-512) only.  With 16 the blocks
- * are 4 x 2 or 4 x 3, and those ran 8-12% and ~35% slower than the rows-as-lanes P.V (the AVX2
- * level on a 2-core Zen 5: float16 C1-C5, decodes with 16-64 rows). */
-#if FASTATTN_VECTOR_BYTES == 64
-constexpr bool kValuesByRow = true;
-#else
-constexpr bool kValuesByRow = false;
-#endif
-constexpr int kValueRows = 8, kValueVectors = 2;
 
 template <typename T, typename In, int NV>
 static void forward_block(const FwdParams& p, T* scratch, int64_t b, int64_t kvh, int64_t q0, int64_t qn,
@@ -1078,6 +1103,53 @@ static inline ForwardKernel forward_kernel_of(const FwdParams& p, int64_t rows) 
     if (p.dtype == DTYPE_BFLOAT16 && dpbf16_decode_applies(p, rows)) return KERNEL_DPBF16_DECODE;
 #endif
     return rows <= kDotMaxRows ? KERNEL_VECTOR_DECODE : KERNEL_VECTOR;
+}
+
+/* ---- K and V converted once per call ----------------------------------------------------------
+ *
+ * Without kValuesByRow, forward_block converts float16/bfloat16 K and V tiles into its scratch, so
+ * every query block of a kv head converted the same tiles again: float16 and bfloat16 C1-C5 ran
+ * 10-20% slower than float32 (2-core Zen 3, AVX2).  Where those items run and a kv head has several
+ * query blocks, a pass before the items converts each (b, kv head, key tile) once into packed_kv
+ * (converted_keys, converted_values), and the items read float32 rows in place, as for float32
+ * inputs.  Keys at or past the batch row's key_lengths are never read and are not converted.  The
+ * copies take 4 B Hkv Sk (D + Dv) bytes, twice the inputs' K and V, and the calling thread keeps
+ * the block for its next call (thread_scratch.h): above kConvertedKvMaxBytes the items convert per
+ * tile as before. */
+constexpr size_t kConvertedKvMaxBytes = size_t(64) << 20;
+
+static inline size_t converted_kv_bytes(const FwdParams& p) {
+    return sizeof(float) * (size_t)(p.batch * p.heads_kv * p.seq_k * (p.head_dim + p.head_dim_v));
+}
+
+static bool converts_kv_once(const FwdParams& p) {
+    if (kValuesByRow || (p.dtype != DTYPE_FLOAT16 && p.dtype != DTYPE_BFLOAT16)) return false;
+    if (p.splits != 1 || forward_head_group(p) > 1 || p.query_blocks < 2) return false;
+    return forward_kernel_of(p, p.group * std::min(p.block_queries, p.seq_q)) == KERNEL_VECTOR &&
+           converted_kv_bytes(p) <= kConvertedKvMaxBytes;
+}
+
+static inline int64_t converted_tiles(const FwdParams& p) { return (p.seq_k + p.key_tile - 1) / p.key_tile; }
+
+/* The pass's item: one (b, kv head, key tile). */
+template <typename T, typename In> static void convert_kv_item(const FwdParams& p, int64_t item) {
+    if constexpr (!std::is_same<T, In>::value) {
+        const int64_t tile = item % converted_tiles(p), kvh = item / converted_tiles(p) % p.heads_kv;
+        const int64_t b = item / (converted_tiles(p) * p.heads_kv), kt = tile * p.key_tile;
+        const int64_t end = p.key_lengths ? std::min(p.seq_k, p.key_lengths[b]) : p.seq_k;
+        const int64_t n = std::min(p.key_tile, end - kt), D = p.head_dim, Dv = p.head_dim_v;
+        const In* k = at<In>(p.k, b * p.k_stride[0] + kvh * p.k_stride[1] + kt * p.k_stride[2]);
+        const In* v = at<In>(p.v, b * p.v_stride[0] + kvh * p.v_stride[1] + kt * p.v_stride[2]);
+        T* k_out = converted_keys<T>(p, b, kvh) + kt * D;
+        T* v_out = converted_values<T>(p, b, kvh) + kt * Dv;
+        for (int64_t j = 0; j < n; ++j) {
+            convert_row(k + j * p.k_stride[2], k_out + j * D, D);
+            convert_row(v + j * p.v_stride[2], v_out + j * Dv, Dv);
+        }
+    } else {
+        (void)p;
+        (void)item;
+    }
 }
 
 /* Where head kvh's rows of item `index` go when the keys are split (slot (b, kvh, qb, split) of the

@@ -23,8 +23,8 @@ struct KernelTable {
     size_t (*forward_scratch_bytes)(const FwdParams* params); /* per thread */
     ItemFunction forward_item;                                 /* one (b, kv head, query block, split) */
     ItemFunction forward_combine;                              /* merge one item's splits by lse */
-    /* Bytes of the values packed once per call before the items (0: no such pass), and the pass's
-     * item, one (b, kv head, key tile) (flash_amx.h: packed_values). */
+    /* Bytes of the K/V prepared once per call before the items (0: no such pass), and the pass's
+     * item, one (b, kv head, key tile) (params.h: packed_kv). */
     size_t (*forward_packed_bytes)(const FwdParams* params);
     ItemFunction forward_pack;
     size_t (*backward_scratch_bytes)(const BwdParams* params);

@@ -39,21 +39,24 @@ static void forward_item(const void* params, char* scratch, int64_t item) {
 #undef FASTATTN_CALL
 }
 
+/* K/V prepared once per call before the items: V^T tiles on AMX (flash_amx.h), float16/bfloat16 K
+ * and V in float32 at 16-register levels (flash_forward.h: converts_kv_once); 0 where no pass runs. */
 static size_t forward_packed_bytes(const FwdParams* p) {
 #if defined(FASTATTN_HAS_AMX)
     return packed_values_bytes(*p);
 #else
-    (void)p;
-    return 0;
+    return converts_kv_once(*p) ? converted_kv_bytes(*p) : 0;
 #endif
 }
 
 static void forward_pack(const void* params, char*, int64_t item) {
+    const FwdParams& p = *static_cast<const FwdParams*>(params);
 #if defined(FASTATTN_HAS_AMX)
-    pack_value_item(*static_cast<const FwdParams*>(params), item);
+    pack_value_item(p, item);
 #else
-    (void)params;
-    (void)item;
+#define FASTATTN_CALL(T, In) convert_kv_item<T, In>(p, item)
+    FASTATTN_BY_DTYPE(p.dtype, FASTATTN_CALL)
+#undef FASTATTN_CALL
 #endif
 }
 
