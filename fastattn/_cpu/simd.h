@@ -274,7 +274,13 @@ static inline float to_float(bfloat16_bits x) {
     return result;
 }
 
+/* float16 -> float, exact.  With F16C one instruction, as from_float_half's way back; else integer
+ * steps.  forward_block packs Q and writes O element by element: with the integer steps at the avx2
+ * level, float16 C1 ran 6-8% slower than float32, with F16C 2-3% (2-core Zen 3). */
 static inline float to_float(half_bits x) {
+#if defined(__F16C__)
+    return _cvtsh_ss(x.bits);
+#else
     uint32_t sign = (uint32_t)(x.bits & 0x8000u) << 16;
     uint32_t exponent = (x.bits >> 10) & 0x1fu;
     uint32_t mantissa = x.bits & 0x3ffu;
@@ -296,6 +302,7 @@ static inline float to_float(half_bits x) {
     float result;
     std::memcpy(&result, &bits, 4);
     return result;
+#endif
 }
 
 /* float -> bfloat16, round to nearest even (nan stays nan). */
@@ -309,6 +316,9 @@ static inline bfloat16_bits from_float_bf16(float x) {
 
 /* float -> float16, round to nearest even, overflow to inf, gradual underflow. */
 static inline half_bits from_float_half(float x) {
+#if defined(__F16C__)
+    return half_bits{(uint16_t)_cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT)};
+#else
     uint32_t bits;
     std::memcpy(&bits, &x, 4);
     uint16_t sign = (uint16_t)((bits >> 16) & 0x8000u);
@@ -328,6 +338,7 @@ static inline half_bits from_float_half(float x) {
     }
     uint32_t rounded = magnitude + 0xfffu + ((magnitude >> 13) & 1u);
     return half_bits{(uint16_t)(sign | ((rounded - 0x38000000u) >> 13))};
+#endif
 }
 
 template <typename Out> struct Store;
