@@ -10,7 +10,8 @@ and the DRAM read bandwidth, all on the same threads.  Each row shows its ratio 
 those ceilings; the JSON names the CPU (model, family, ISA flags) and the kernels' level.
 ``--dtype bfloat16`` (or ``float16``) times the same cases in that dtype, against torch's SDPA in
 it, with torch's gemm in that dtype as the gemm ceiling, or sgemm where that is faster (numpy naive
-runs float32 only).
+runs float32 only), and fastattn on the same inputs in float32 in the same rounds ("fastattn cpu
+float32"; the ratio "vs float32" is float32's time over the dtype's).
 ``--masks`` times masked variants of the cases (see ``MASKS``): each interleaves the masked call with
 the same call unmasked and with torch's SDPA under the same mask (causal folded into it, as torch
 takes no mask together with ``is_causal``), and reports the masked / unmasked time.
@@ -271,6 +272,9 @@ def _machine_ceilings() -> Any:
 
 #: The row of a decode case that streams a buffer of its K and V's size (``run_case``).
 STREAMING_READ = "streaming read"
+#: With a half-precision ``--dtype``, fastattn on the same case's inputs in float32 (the same draws,
+#: before rounding), timed in the same rounds: the dtype's speed against float32's.
+FLOAT32_BASELINE = "fastattn cpu float32"
 
 
 def streaming_read(nbytes: int, threads: int) -> Callable[[], Any] | None:
@@ -425,21 +429,27 @@ def run_case(
     also runs unmasked ("fastattn cpu unmasked") in the same rounds, the baseline of the mask's cost."""
     batch, heads_q, heads_kv, seq_q, seq_k, dim, causal = CASES[name]
     rng = np.random.default_rng(1)
-    q, k, v, dout = laid_out(layout, *(
-        rng.standard_normal(shape, dtype=np.float32).astype(DTYPES[dtype])
+    drawn = [
+        rng.standard_normal(shape, dtype=np.float32)
         for shape in ((batch, heads_q, seq_q, dim), (batch, heads_kv, seq_k, dim), (batch, heads_kv, seq_k, dim),
                       (batch, heads_q, seq_q, dim))
-    ))
+    ]
+    q, k, v, dout = laid_out(layout, *(x.astype(DTYPES[dtype]) for x in drawn))
     mask = make_mask(mask_kind, batch, heads_q, seq_q, seq_k, DTYPES[dtype])
     flops = forward_flops(batch, heads_q, seq_q, seq_k, dim, causal) * (3.5 if direction == "forward+backward" else 1)
-    kv_bytes = k.nbytes + v.nbytes
+    kv_bytes = {label: k.nbytes + v.nbytes for label in (*impls, "fastattn cpu unmasked", STREAMING_READ)}
     print(f"  {name} {direction}" + ("" if mask is None else f" mask {mask_kind}") +
           ("" if layout == "bhsd" else f" layout {layout}"), file=sys.stderr, flush=True)
     runs = {label: make(q, k, v, dout, causal, mask, layout) for label, make in impls.items()}
     if mask is not None and "fastattn cpu" in impls:
         runs["fastattn cpu unmasked"] = impls["fastattn cpu"](q, k, v, dout, causal, None, layout)
+    if dtype != "float32" and "fastattn cpu" in impls:
+        baseline = laid_out(layout, *drawn)
+        float32_mask = make_mask(mask_kind, batch, heads_q, seq_q, seq_k, np.float32)
+        runs[FLOAT32_BASELINE] = impls["fastattn cpu"](*baseline[:3], baseline[3], causal, float32_mask, layout)
+        kv_bytes[FLOAT32_BASELINE] = baseline[1].nbytes + baseline[2].nbytes
     if direction == "forward" and seq_q <= DECODE_ROWS and "fastattn cpu" in impls:
-        read = streaming_read(kv_bytes, fastattn.get_num_threads())
+        read = streaming_read(kv_bytes[STREAMING_READ], fastattn.get_num_threads())
         if read is not None:
             runs[STREAMING_READ] = read
     medians = interleaved_medians(runs, repeats)
@@ -452,7 +462,7 @@ def run_case(
             "implementation": label,
             "median_ms": 1e3 * seconds,
             "gflops": None if label == STREAMING_READ else flops / seconds / 1e9,
-            "kv_gbytes_per_s": kv_bytes / seconds / 1e9,
+            "kv_gbytes_per_s": kv_bytes[label] / seconds / 1e9,
         }
         for label, seconds in medians.items()
     ]
@@ -540,8 +550,10 @@ def format_table(rows: list[dict[str, Any]], ceiling: dict[str, float], dtype: s
 
 
 def summary(rows: list[dict[str, Any]]) -> dict[str, float]:
-    """fastattn / torch time ratios per (case, pass) and, for masked cases, per mask with the
-    masked / unmasked time ("cost"); geomeans and minima over the unmasked C1-C5."""
+    """fastattn / torch time ratios per (case, pass); for masked cases, per mask, the masked /
+    unmasked time ("cost"); for decodes the share of the streaming read ("of read"); for half
+    precisions float32's time over the dtype's ("vs float32"); geomeans and minima over the
+    unmasked C1-C5."""
     by_key = {(_key(r), r["implementation"]): r["median_ms"] for r in rows}
     ratios: dict[str, float] = {}
     for (key, label), ms in by_key.items():
@@ -553,6 +565,8 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, float]:
             ratios[f"{name} cost"] = ms / by_key[(key, "fastattn cpu unmasked")]
         if label == "fastattn cpu" and (key, STREAMING_READ) in by_key:
             ratios[f"{name} of read"] = by_key[(key, STREAMING_READ)] / ms
+        if label == "fastattn cpu" and (key, FLOAT32_BASELINE) in by_key:
+            ratios[f"{name} vs float32"] = by_key[(key, FLOAT32_BASELINE)] / ms
     for direction in ("forward", "forward+backward"):
         chosen = [ratios[f"{c} {direction}"] for c in ("C1", "C2", "C3", "C4", "C5") if f"{c} {direction}" in ratios]
         if chosen:
