@@ -1109,13 +1109,14 @@ static inline ForwardKernel forward_kernel_of(const FwdParams& p, int64_t rows) 
  *
  * Without kValuesByRow, forward_block converts float16/bfloat16 K and V tiles into its scratch, so
  * every query block of a kv head converted the same tiles again: float16 and bfloat16 C1-C5 ran
- * 10-20% slower than float32 (2-core Zen 3, AVX2).  Where those items run and a kv head has several
- * query blocks, a pass before the items converts each (b, kv head, key tile) once into packed_kv
- * (converted_keys, converted_values), and the items read float32 rows in place, as for float32
- * inputs.  Keys at or past the batch row's key_lengths are never read and are not converted.  The
- * copies take 4 B Hkv Sk (D + Dv) bytes, twice the inputs' K and V, and the calling thread keeps
- * the block for its next call (thread_scratch.h): above kConvertedKvMaxBytes the items convert per
- * tile as before. */
+ * 3-20% slower than float32 (2-core Zen 3, AVX2; after, 2-3% in one process for C1/C2, 0.85-1.14x
+ * of float32's time in bench_cpu.py for C1-C5, within that host's noise).  Where those items run
+ * and a kv head has several query blocks, a pass before the items converts each (b, kv head, key
+ * tile) once into packed_kv (converted_keys, converted_values), and the items read float32 rows in
+ * place, as for float32 inputs.  Keys at or past the batch row's key_lengths are never read and are
+ * not converted.  The copies take 4 B Hkv Sk (D + Dv) bytes, twice the inputs' K and V, and the
+ * calling thread keeps the block for its next call (thread_scratch.h): above kConvertedKvMaxBytes
+ * the items convert per tile as before. */
 constexpr size_t kConvertedKvMaxBytes = size_t(64) << 20;
 
 static inline size_t converted_kv_bytes(const FwdParams& p) {
