@@ -446,7 +446,7 @@ def run_case(
     if dtype != "float32" and "fastattn cpu" in impls:
         baseline = laid_out(layout, *drawn)
         float32_mask = make_mask(mask_kind, batch, heads_q, seq_q, seq_k, np.float32)
-        runs[FLOAT32_BASELINE] = impls["fastattn cpu"](*baseline[:3], baseline[3], causal, float32_mask, layout)
+        runs[FLOAT32_BASELINE] = impls["fastattn cpu"](*baseline, causal, float32_mask, layout)
         kv_bytes[FLOAT32_BASELINE] = baseline[1].nbytes + baseline[2].nbytes
     if direction == "forward" and seq_q <= DECODE_ROWS and "fastattn cpu" in impls:
         read = streaming_read(kv_bytes[STREAMING_READ], fastattn.get_num_threads())
