@@ -133,7 +133,13 @@ _cxx_args = _compile_args + ["-std=gnu++17"] + _sanitize
 _link_args = (_omp + _sanitize) if sys.platform != "win32" else []
 #: The extension code around the kernels (Cython, dispatch) runs on every CPU: the lowest level's flags.
 _baseline_args = _cxx_args + _levels[0].flags
-_kernel_source = "fastattn/_cpu/kernels.cpp"
+#: One level's kernels, in three translation units (kernel_entries.h) so that a level's forward and
+#: backward compile on two cores at once; the heaviest first.
+_kernel_sources = [
+    "fastattn/_cpu/kernels_forward.cpp",
+    "fastattn/_cpu/kernels_backward.cpp",
+    "fastattn/_cpu/kernels.cpp",
+]
 _kernel_headers = [
     "fastattn/_cpu/flash_forward.h",
     "fastattn/_cpu/flash_amx.h",
@@ -145,15 +151,17 @@ _kernel_headers = [
     "fastattn/_cpu/isa.h",
     "fastattn/_cpu/params.h",
     "fastattn/_cpu/kernel_table.h",
+    "fastattn/_cpu/kernel_entries.h",
     "fastattn/_shared/philox.h",
 ]
 
 
 class BuildWithKernelLevels(build_ext):
-    """build_ext that compiles kernels.cpp once per instruction-set level into ``_flash``.
+    """build_ext that compiles the kernel sources once per instruction-set level into ``_flash``.
 
-    Each level's object gets its target flags and its namespace (fastattn/_cpu/isa.h); the levels
-    compile in parallel, one compiler process per core.
+    Each level's objects get its target flags and its namespace (fastattn/_cpu/isa.h); every
+    (level, source) pair is one compiler process, as many at once as there are cores, the sources
+    with the most code first so that the last to finish are short.
     """
 
     def build_extension(self, ext: Extension) -> None:
@@ -162,9 +170,10 @@ class BuildWithKernelLevels(build_ext):
         super().build_extension(ext)
 
     def _kernel_objects(self, ext: Extension) -> list[str]:
-        def compile_level(level: IsaLevel) -> list[str]:
+        def compile_one(job: tuple[str, IsaLevel]) -> list[str]:
+            source, level = job
             return self.compiler.compile(
-                [_kernel_source],
+                [source],
                 output_dir=os.path.join(self.build_temp, "isa_" + level.name),
                 macros=[("FASTATTN_ISA_NAMESPACE", "isa_" + level.name), ("FASTATTN_ISA_NAME", f'"{level.name}"')],
                 include_dirs=ext.include_dirs,
@@ -172,8 +181,9 @@ class BuildWithKernelLevels(build_ext):
                 depends=_kernel_headers,
             )
 
+        jobs = [(source, level) for source in _kernel_sources for level in reversed(_levels)]
         with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-            return [obj for objects in pool.map(compile_level, _levels) for obj in objects]
+            return [obj for objects in pool.map(compile_one, jobs) for obj in objects]
 
 
 def _numpy_c_api_extension(name: str) -> Extension:
@@ -211,7 +221,7 @@ extensions = [
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_25_API_VERSION")]
         + [("FASTATTN_LEVEL_" + level.name.upper(), "1") for level in _levels],
         language="c++",
-        depends=[_kernel_source, *_kernel_headers, "fastattn/_cpu/dispatch.h", "fastattn/_cpu/thread_scratch.h",
+        depends=[*_kernel_sources, *_kernel_headers, "fastattn/_cpu/dispatch.h", "fastattn/_cpu/thread_scratch.h",
                  "fastattn/_cpu/_omp_shim.h"],
         extra_compile_args=_baseline_args + _omp,
         extra_link_args=_link_args,

@@ -1,6 +1,6 @@
 /* The instruction-set levels this build holds, lowest first, and which of them the CPU can run.
  *
- * setup.py defines FASTATTN_LEVEL_<NAME> for each level it compiled kernels.cpp for; this header
+ * setup.py defines FASTATTN_LEVEL_<NAME> for each level it compiled the kernels for; this header
  * (compiled into _flash with baseline flags) declares their tables.  A level runs where CPUID
  * reports every extension its flags enable and the OS saves the registers it uses; GCC's and
  * Clang's __builtin_cpu_supports check both (XGETBV for the AVX and AVX-512 state).  The native

@@ -1065,7 +1065,7 @@ static inline int64_t split_length(const FwdParams& p) {
 }
 
 #if defined(FASTATTN_HAS_AVX512BF16)
-/* bfloat16 items on AVX512_BF16 vectors: flash_bf16.h, which kernels.cpp includes. */
+/* bfloat16 items on AVX512_BF16 vectors: flash_bf16.h, which kernels_forward.cpp includes. */
 static bool dpbf16_forward_applies(const FwdParams& p, int64_t rows);
 static void forward_block_dpbf16(const FwdParams& p, char* scratch, int64_t b, int64_t kvh, int64_t q0, int64_t qn,
                                  int64_t k_begin, int64_t k_end, float* partial_out, float* partial_lse);
@@ -1074,7 +1074,7 @@ static void forward_decode_dpbf16(const FwdParams& p, char* scratch, int64_t b, 
                                   int64_t k_begin, int64_t k_end, float* partial_out, float* partial_lse);
 #endif
 #if defined(FASTATTN_HAS_AMX)
-/* bfloat16 items on AMX tiles: flash_amx.h, which kernels.cpp includes at the AMX level. */
+/* bfloat16 items on AMX tiles: flash_amx.h, which kernels_forward.cpp includes (active at the AMX level). */
 static bool amx_forward_applies(const FwdParams& p, int64_t rows);
 static void forward_block_amx(const FwdParams& p, char* scratch, int64_t b, int64_t kvh, int64_t q0, int64_t qn,
                               int64_t k_begin, int64_t k_end, float* partial_out, float* partial_lse);
@@ -1123,7 +1123,7 @@ static inline size_t converted_kv_bytes(const FwdParams& p) {
     return sizeof(float) * (size_t)(p.batch * p.heads_kv * p.seq_k * (p.head_dim + p.head_dim_v));
 }
 
-static bool converts_kv_once(const FwdParams& p) {
+static inline bool converts_kv_once(const FwdParams& p) {
     if (kValuesByRow || (p.dtype != DTYPE_FLOAT16 && p.dtype != DTYPE_BFLOAT16)) return false;
     if (p.splits != 1 || forward_head_group(p) > 1 || p.query_blocks < 2) return false;
     return forward_kernel_of(p, p.group * std::min(p.block_queries, p.seq_q)) == KERNEL_VECTOR &&

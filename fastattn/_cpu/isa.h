@@ -1,6 +1,6 @@
 /* The instruction-set level a translation unit's kernels are compiled for.
  *
- * One build holds the kernels several times: setup.py compiles kernels.cpp once per level
+ * One build holds the kernels several times: setup.py compiles the kernel sources once per level
  * (generic x86-64, AVX2+FMA+F16C, AVX-512 F/BW/DQ/VL, AVX-512 + AVX512_BF16, AMX: AVX-512 +
  * AVX512_BF16 + AMX-BF16; or one -march=native level when asked), each with its own target flags and
  * -DFASTATTN_ISA_NAMESPACE=isa_<level>.  Every kernel header puts its code in
@@ -12,7 +12,7 @@
 #define FASTATTN_ISA_H
 
 #if !defined(FASTATTN_ISA_NAMESPACE) || !defined(FASTATTN_ISA_NAME)
-#error "the kernels compile through kernels.cpp with -DFASTATTN_ISA_NAMESPACE=isa_<level> -DFASTATTN_ISA_NAME=\"<level>\" (setup.py passes both)"
+#error "the kernels compile through setup.py's kernel sources with -DFASTATTN_ISA_NAMESPACE=isa_<level> -DFASTATTN_ISA_NAME=\"<level>\" (setup.py passes both)"
 #endif
 
 #endif

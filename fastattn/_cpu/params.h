@@ -2,7 +2,7 @@
  *
  * The Cython plans (_flash.pyx) fill these once per problem and hand them, by pointer, to the
  * kernel table of the level chosen at import (kernel_table.h, dispatch.h); every level's
- * translation unit (kernels.cpp) reads the same layout.
+ * translation units (kernels*.cpp) read the same layout.
  */
 #ifndef FASTATTN_PARAMS_H
 #define FASTATTN_PARAMS_H
