@@ -3,6 +3,11 @@ the errors that a kernel bug must turn into (never a hang, never a silent pass).
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -150,3 +155,63 @@ def test_syncwarp_orders_the_lanes_and_any_sync_votes(module: emulator.EmulatedM
     x[17] = -x[17]
     assert (_warp_sync(module, x, True, 0)[1] == 1).all()
     assert any(np.isnan(_warp_sync(module, x, False, seed)[0]).any() for seed in range(8))
+
+
+#: Run in a child with FASTATTN_EMULATOR_SANITIZE=1 and the ASan runtime preloaded: clean launches
+#: (barriers, shuffles and a failing launch, so fibers switch and unwind), then a global read past
+#: the end of x, which must abort.
+_SANITIZED_CHILD = r'''
+import sys
+import numpy as np
+from fastattn._gpu import emulator
+from tests.emulator.test_simt import NAMES, SOURCE
+
+READ_PAST = """
+__global__ void read_past(const float* x, float* y, int past) {
+    __syncthreads();
+    y[threadIdx.x] = x[threadIdx.x + past];
+}
+"""
+module = emulator.compile_source(SOURCE + READ_PAST, NAMES + ("read_past",))
+x = np.random.default_rng().standard_normal(64).astype(np.float32)
+y = np.full_like(x, np.nan)
+module.get_function("t::rotate_sum")((2,), (32,), (x, y, np.float32(3), np.int32(1)), shared_mem=32 * 4)
+try:
+    module.get_function("t::early_exit")((1,), (64,), (y,))
+except emulator.EmulationError:
+    pass
+module.get_function("read_past")((1,), (64,), (x, y, np.int32(0)))
+print("clean", flush=True)
+module.get_function("read_past")((1,), (64,), (x, y, np.int32(int(sys.argv[1]))))
+print("no report", flush=True)
+'''
+
+
+def test_the_sanitized_build_reports_a_read_past_a_global_array(tmp_path: Path) -> None:
+    """CI's sanitized stage relies on it: AddressSanitizer follows the emulated threads' fiber stacks
+    (no false report from a switch or an unwind) and stops a kernel that reads past an array."""
+    # The ASan runtime first, then libstdc++ (ASan's throw interceptor needs the real __cxa_throw).
+    runtimes = [
+        subprocess.run(["gcc", f"-print-file-name={name}"], capture_output=True, text=True).stdout.strip()
+        for name in ("libasan.so", "libstdc++.so")
+    ]
+    if not all(os.path.isabs(runtime) for runtime in runtimes):
+        pytest.skip(f"no AddressSanitizer runtime for gcc: {runtimes}")
+    environment = {
+        **os.environ,
+        "LD_PRELOAD": ":".join(runtimes),
+        "ASAN_OPTIONS": "detect_leaks=0",
+        "FASTATTN_EMULATOR_SANITIZE": "1",
+        "FASTATTN_EMULATOR_CACHE": str(tmp_path),
+    }
+    child = subprocess.run(
+        [sys.executable, "-c", _SANITIZED_CHILD, "1"],
+        env=environment,
+        cwd=Path(__file__).parents[2],
+        capture_output=True,
+        text=True,
+    )
+    assert "clean" in child.stdout, child.stderr[-3000:]
+    assert "no report" not in child.stdout and child.returncode != 0
+    assert "heap-buffer-overflow" in child.stderr and "read_past" in child.stderr, child.stderr[-3000:]
+    assert "False positive" not in child.stderr, child.stderr[-3000:]

@@ -1,7 +1,8 @@
 // The SIMT emulator: CUDA C++ kernels compiled by the host C++ compiler and run on the CPU, exactly.
 //
-// Every thread of a block is a fiber (ucontext) with its own stack, so a thread's registers are its
-// own locals, as on the device.  One block runs at a time.  Between two __syncthreads its warps run
+// Every thread of a block is a fiber with its own stack, so a thread's registers are its own locals,
+// as on the device (x86-64: a switch of the callee-saved registers and the stack pointer, no system
+// call; elsewhere ucontext).  One block runs at a time.  Between two __syncthreads its warps run
 // one after another, in an order drawn by the launch's seed afresh for every interval, each as far
 // as it can go alone, and the lanes of a warp run in a shuffled order between collectives: a read
 // that a missing __syncthreads leaves unordered with its write sees the wrong data (or the poison).
@@ -23,7 +24,12 @@
 // each `extern __shared__ T name[];` into a pointer to the block's dynamic shared memory.
 #pragma once
 
+#if !defined(__x86_64__)
 #include <ucontext.h>
+#endif
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/asan_interface.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -32,6 +38,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <random>
 #include <string>
 #include <tuple>
@@ -175,6 +182,119 @@ inline void check_aligned(const void* pointer, int bytes, const char* what) {
 
 enum class Wait { none, block, warp, done };
 
+// ---------------------------------------------------------------------------------------------
+// Fibers.  A switch happens at every barrier and collective (two per lane per collective), so it
+// must be cheap: glibc's swapcontext makes a sigprocmask system call each time, which took ~40% of
+// an emulated launch.  On x86-64 a fiber is its saved stack pointer, and a switch pushes the
+// callee-saved registers and the SSE/x87 control words, swaps stacks and pops them (the System V
+// ABI's callee-saved state, all a call may assume preserved).  With AddressSanitizer the switches
+// are announced (__sanitizer_start/finish_switch_fiber), so it checks each fiber against its own
+// stack.
+struct Fiber {
+#if defined(__x86_64__)
+    void* stack_pointer = nullptr;
+#else
+    ucontext_t context;
+#endif
+    char* stack_bottom = nullptr;  // the lowest address of the fiber's stack (none: the OS thread's)
+    size_t stack_bytes = 0;
+};
+
+#if defined(__x86_64__)
+// switch_stacks(save, load): saves this fiber's registers on its stack and its stack pointer in
+// *save, then resumes the fiber whose stack pointer is load.
+extern "C" void fastattn_emu_switch_stacks(void** save, void* load);
+asm(R"(
+    .text
+    .p2align 4
+    .type fastattn_emu_switch_stacks, @function
+fastattn_emu_switch_stacks:
+    pushq %rbp
+    pushq %rbx
+    pushq %r12
+    pushq %r13
+    pushq %r14
+    pushq %r15
+    subq $8, %rsp
+    stmxcsr (%rsp)
+    fnstcw 4(%rsp)
+    movq %rsp, (%rdi)
+    movq %rsi, %rsp
+    ldmxcsr (%rsp)
+    fldcw 4(%rsp)
+    addq $8, %rsp
+    popq %r15
+    popq %r14
+    popq %r13
+    popq %r12
+    popq %rbx
+    popq %rbp
+    ret
+    .size fastattn_emu_switch_stacks, .-fastattn_emu_switch_stacks
+)");
+#endif
+
+// Make `fiber` start `entry` on `stack` (stack_bytes, both multiples of 16) at its first switch.
+inline void start_fiber(Fiber& fiber, char* stack, size_t stack_bytes, void (*entry)()) {
+    fiber.stack_bottom = stack;
+    fiber.stack_bytes = stack_bytes;
+#if defined(__SANITIZE_ADDRESS__)
+    // A stack reused from an earlier block keeps the redzones of the frames it was left in.
+    __asan_unpoison_memory_region(stack, stack_bytes);
+#endif
+#if defined(__x86_64__)
+    // From the top: a zero return address (entry never returns), entry's address for the switch's
+    // ret (so entry starts with the stack a call would leave), six registers, the control words.
+    auto* top = reinterpret_cast<uint64_t*>(stack + stack_bytes);
+    uint64_t* frame = top - 2 - 6 - 1;
+    uint32_t control_words[2];
+    asm volatile("stmxcsr %0\n\tfnstcw %1" : "=m"(control_words[0]), "=m"(control_words[1]));
+    std::memcpy(&frame[0], control_words, sizeof(control_words));
+    for (int i = 1; i <= 6; ++i) frame[i] = 0;
+    frame[7] = reinterpret_cast<uint64_t>(entry);
+    frame[8] = 0;
+    fiber.stack_pointer = frame;
+#else
+    getcontext(&fiber.context);
+    fiber.context.uc_stack.ss_sp = stack;
+    fiber.context.uc_stack.ss_size = stack_bytes;
+    fiber.context.uc_link = nullptr;
+    makecontext(&fiber.context, entry, 0);
+#endif
+}
+
+// Suspend `from` and resume `to`.  `from_ends`: `from` never runs again (its thread exited).
+inline void switch_fiber(Fiber& from, Fiber& to, bool from_ends = false) {
+#if defined(__SANITIZE_ADDRESS__)
+    void* fake_stack = nullptr;
+    __sanitizer_start_switch_fiber(from_ends ? nullptr : &fake_stack, to.stack_bottom, to.stack_bytes);
+#else
+    (void)from_ends;
+#endif
+#if defined(__x86_64__)
+    fastattn_emu_switch_stacks(&from.stack_pointer, to.stack_pointer);
+#else
+    swapcontext(&from.context, &to.context);
+#endif
+#if defined(__SANITIZE_ADDRESS__)
+    __sanitizer_finish_switch_fiber(fake_stack, nullptr, nullptr);
+#endif
+}
+
+// The first thing a new fiber does: tell AddressSanitizer that the switch into it is complete, and
+// learn the stack of the fiber that started it (the scheduler's, on the OS thread).
+inline void enter_fiber(Fiber& starter) {
+#if defined(__SANITIZE_ADDRESS__)
+    const void* bottom = nullptr;
+    size_t bytes = 0;
+    __sanitizer_finish_switch_fiber(nullptr, &bottom, &bytes);
+    starter.stack_bottom = static_cast<char*>(const_cast<void*>(bottom));
+    starter.stack_bytes = bytes;
+#else
+    (void)starter;
+#endif
+}
+
 struct PendingCopy {
     void* dst;
     const void* src;
@@ -182,8 +302,7 @@ struct PendingCopy {
 };
 
 struct Thread {
-    ucontext_t context;
-    std::vector<char> stack;
+    Fiber fiber;
     uint3 index;
     int linear, lane, warp;
     Wait wait = Wait::none;
@@ -195,6 +314,9 @@ struct Thread {
 struct WarpSlots {
     unsigned int words[kWarpSize][16];
     const void* pointers[kWarpSize];
+    // mma.sync: the operands A (16x16) and B (16x8), decoded from the lanes' words once per warp.
+    float matrix_a[16][16], matrix_b[16][8];
+    bool decoded;
 };
 
 struct Launch {
@@ -206,7 +328,8 @@ struct Launch {
     std::vector<unsigned char> shared;  // guard | dynamic shared memory | guard
     size_t shared_bytes = 0;
     std::function<void()> body;
-    ucontext_t scheduler;
+    Fiber scheduler;
+    std::vector<std::unique_ptr<char[]>> stacks;  // kept from block to block: one per thread
     Thread* current = nullptr;
     std::string error;
     std::mt19937_64 order_random;
@@ -225,8 +348,7 @@ inline Thread& this_thread() { return *launch_state()->current; }
 // Give the scheduler back control until this thread's wait is released.
 inline void yield_to_scheduler() {
     Launch& launch = *launch_state();
-    Thread& thread = this_thread();
-    swapcontext(&thread.context, &launch.scheduler);
+    switch_fiber(this_thread().fiber, launch.scheduler);
 }
 
 inline void block_barrier() {
@@ -241,6 +363,7 @@ inline void warp_barrier() {
 
 inline void thread_entry() {
     Launch& launch = *launch_state();
+    enter_fiber(launch.scheduler);
     try {
         launch.body();
         if (!this_thread().open_group.empty() || !this_thread().copy_groups.empty()) {
@@ -251,7 +374,7 @@ inline void thread_entry() {
         if (launch.error.empty()) launch.error = failure.message;
     }
     this_thread().wait = Wait::done;
-    swapcontext(&this_thread().context, &launch.scheduler);
+    switch_fiber(this_thread().fiber, launch.scheduler, true);
 }
 
 inline std::string thread_name(const Thread& thread) {
@@ -344,12 +467,8 @@ inline void run_block(Launch& launch) {
         thread.warp = static_cast<int>(linear / kWarpSize);
         thread.index = uint3{linear % launch.block.x, (linear / launch.block.x) % launch.block.y,
                              linear / (launch.block.x * launch.block.y)};
-        thread.stack.resize(kStackBytes);
-        getcontext(&thread.context);
-        thread.context.uc_stack.ss_sp = thread.stack.data();
-        thread.context.uc_stack.ss_size = thread.stack.size();
-        thread.context.uc_link = nullptr;
-        makecontext(&thread.context, thread_entry, 0);
+        if (launch.stacks.size() <= linear) launch.stacks.emplace_back(new char[kStackBytes]);
+        start_fiber(thread.fiber, launch.stacks[linear].get(), kStackBytes, thread_entry);
     }
     std::vector<Thread*> order;
     while (true) {
@@ -367,7 +486,7 @@ inline void run_block(Launch& launch) {
         std::shuffle(order.begin(), order.end(), launch.order_random);
         for (Thread* thread : order) {
             launch.current = thread;
-            swapcontext(&launch.scheduler, &thread->context);
+            switch_fiber(launch.scheduler, thread->fiber);
             if (!launch.error.empty()) fail(launch.error);
         }
     }
@@ -506,28 +625,33 @@ inline void mma_m16n8k16(float* c, const unsigned int* a, const unsigned int* b,
     for (int i = 0; i < 4; ++i) mine[i] = a[i];
     mine[4] = b[0];
     mine[5] = b[1];
+    slots.decoded = false;
     warp_barrier();
-    float matrix_a[16][16], matrix_b[16][8];
-    for (int lane = 0; lane < kWarpSize; ++lane) {
-        const int g = lane / 4, t = lane % 4;
-        const unsigned int* words = slots.words[lane];
-        for (int half = 0; half < 2; ++half) {
-            matrix_a[g][2 * t + half] = operand_value(words[0], half, kind);
-            matrix_a[g + 8][2 * t + half] = operand_value(words[1], half, kind);
-            matrix_a[g][2 * t + 8 + half] = operand_value(words[2], half, kind);
-            matrix_a[g + 8][2 * t + 8 + half] = operand_value(words[3], half, kind);
-            matrix_b[2 * t + half][g] = operand_value(words[4], half, kind);
-            matrix_b[2 * t + 8 + half][g] = operand_value(words[5], half, kind);
+    // The first lane to run after the barrier decodes the operands for the warp; no lane writes the
+    // slots again before the barrier below.
+    if (!slots.decoded) {
+        for (int lane = 0; lane < kWarpSize; ++lane) {
+            const int g = lane / 4, t = lane % 4;
+            const unsigned int* words = slots.words[lane];
+            for (int half = 0; half < 2; ++half) {
+                slots.matrix_a[g][2 * t + half] = operand_value(words[0], half, kind);
+                slots.matrix_a[g + 8][2 * t + half] = operand_value(words[1], half, kind);
+                slots.matrix_a[g][2 * t + 8 + half] = operand_value(words[2], half, kind);
+                slots.matrix_a[g + 8][2 * t + 8 + half] = operand_value(words[3], half, kind);
+                slots.matrix_b[2 * t + half][g] = operand_value(words[4], half, kind);
+                slots.matrix_b[2 * t + 8 + half][g] = operand_value(words[5], half, kind);
+            }
         }
+        slots.decoded = true;
     }
-    warp_barrier();
     const int g = thread.lane / 4, t = thread.lane % 4;
     for (int i = 0; i < 4; ++i) {
         const int row = g + (i >= 2 ? 8 : 0), col = 2 * t + (i & 1);
         float sum = c[i];
-        for (int k = 0; k < 16; ++k) sum += matrix_a[row][k] * matrix_b[k][col];
+        for (int k = 0; k < 16; ++k) sum += slots.matrix_a[row][k] * slots.matrix_b[k][col];
         c[i] = sum;
     }
+    warp_barrier();  // every lane has read the operands before the slots are written again
 }
 
 // ldmatrix.sync.aligned.m8n8.x4[.trans].shared.b16: lanes 8j..8j+7 give the addresses of rows
