@@ -1,5 +1,8 @@
-"""Test-wide settings: hypothesis runs without deadlines (the machine is shared and noisy)."""
+"""Test-wide settings: hypothesis runs without deadlines (the machine is shared and noisy), and
+``--backends`` narrows the conformance suite to some backends (CI's reruns: one ISA level, the
+sanitized build)."""
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 settings.register_profile(
@@ -9,3 +12,11 @@ settings.register_profile(
     print_blob=True,
 )
 settings.load_profile("fastattn")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--backends",
+        default=None,
+        help="comma-separated backends the conformance suite runs on (default: every available one)",
+    )

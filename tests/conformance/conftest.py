@@ -17,8 +17,17 @@ from fastattn import _arrays
 from .._poison import poisoned_allocator
 
 
-def _backends() -> list[str]:
-    return [name for name, status in fastattn.backends.available().items() if status.available]
+def _backends(config: pytest.Config) -> list[str]:
+    """The available backends, or those of ``--backends`` (each must be available)."""
+    available = [name for name, status in fastattn.backends.available().items() if status.available]
+    chosen = config.getoption("--backends")
+    if chosen is None:
+        return available
+    names = [name.strip() for name in chosen.split(",") if name.strip()]
+    missing = [name for name in names if name not in available]
+    if missing or not names:
+        raise pytest.UsageError(f"--backends: expected some of {available}, received {chosen!r}")
+    return names
 
 
 def _devices() -> list[str]:
@@ -39,13 +48,13 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "device" in metafunc.fixturenames:
         pairs = [
             (name, device)
-            for name in _backends()
+            for name in _backends(metafunc.config)
             for device in _devices()
             if device in fastattn.backends.get(name).devices
         ]
         metafunc.parametrize("backend,device", pairs, ids=[f"{name}-{device}" for name, device in pairs])
     else:
-        metafunc.parametrize("backend", _backends())
+        metafunc.parametrize("backend", _backends(metafunc.config))
 
 
 @pytest.fixture(scope="session", autouse=True)
