@@ -52,9 +52,8 @@ def test_ci_instantiates_every_configuration_of_the_table(filename: str) -> None
 
 
 def test_ci_compiles_the_tables_instantiations() -> None:
-    ci = Path(__file__).parents[1] / ".ci"
-    assert ".ci/compile_kernels" in (ci / "run").read_text()
-    assert "python -m fastattn._gpu.instantiate" in (ci / "compile_kernels").read_text()
+    script = (Path(__file__).parents[1] / ".ci" / "run").read_text()
+    assert "python -m fastattn._gpu.instantiate" in script
 
 
 def _problems() -> list:
