@@ -352,12 +352,13 @@ struct ScoreRule {
     // weights feel; the float32 kernels keep tanhf).  E = +inf gives softcap exactly, a NaN stays
     // NaN.  `slope` (when not null) gets d score / d (dot * scale) = sech^2(x) = 4 E / (1 + E)^2,
     // which does not cancel as 1 - tanh^2 does; for it the exponent is clamped at 126 so that E
-    // stays finite (a NaN passes the clamp as NaN).
+    // stays finite (a NaN passes the clamp as NaN), and E / (1 + E) <= 1 is formed first: 4 E alone
+    // overflows to +inf for E >= 2^126 (|x| > 43.7), which made dS infinite there.
     __device__ __forceinline__ float capped_log2(float exponent, float* slope) const {
         if (slope) exponent = exponent > 126.f ? 126.f : exponent;
         const float big = fast_exp2(exponent);
         const float inverse = fast_reciprocal(1.f + big);
-        if (slope) *slope = 4.f * big * inverse * inverse;
+        if (slope) *slope = 4.f * (big * inverse) * inverse;
         return fmaf(-2.f * cap_log2, inverse, cap_log2);
     }
 
