@@ -12,7 +12,9 @@ tested where there is no GPU.  This module is the driver, shaped like CuPy's ``R
   construct a macro cannot express), and one ``extern "C"`` entry point per kernel instance.
 * Each text is compiled once, into a cache directory keyed by the hash of the text, the flags and
   the compiler (``$FASTATTN_EMULATOR_CACHE``, else ``~/.cache/fastattn/emulator``), as NVRTC's cache
-  is keyed by the source.
+  is keyed by the source.  It links the runtime (``simt_runtime.cpp``: fibers, scheduler,
+  collectives), built once per flags and compiler into the same directory, so that a kernel's build
+  compiles the kernel alone.
 * Arguments are marshalled as CuPy marshals them: an array passes its address, a numpy scalar its
   bytes.  Each must have the byte size of the kernel's parameter, which the library reports.
 * A launch returns when every block has run; an error in a block (a barrier misuse, a write outside
@@ -66,10 +68,8 @@ def _entry_points(names: tuple[str, ...]) -> str:
             f'extern "C" int fastattn_emu_launch_{index}(unsigned gx, unsigned gy, unsigned gz, unsigned bx, '
             f"unsigned by, unsigned bz, unsigned long long shared_bytes, void** arguments, "
             f"unsigned long long seed, char* error, unsigned long long error_bytes) {{\n"
-            f"    const std::string message = fastattn_emu::launch_kernel(&{name}, dim3(gx, gy, gz), "
-            f"dim3(bx, by, bz), shared_bytes, arguments, seed);\n"
-            f'    std::snprintf(error, error_bytes, "%s", message.c_str());\n'
-            f"    return message.empty() ? 0 : 1;\n}}\n"
+            f"    return fastattn_emu::launch_kernel(&{name}, dim3(gx, gy, gz), dim3(bx, by, bz), shared_bytes, "
+            f"arguments, seed, error, error_bytes);\n}}\n"
             f'extern "C" int fastattn_emu_signature_{index}(unsigned long long* sizes, int capacity) {{\n'
             f"    return fastattn_emu::parameter_sizes(&{name}, sizes, capacity);\n}}\n"
         )
@@ -97,6 +97,32 @@ def _flags() -> tuple[str, ...]:
     return FLAGS + (_SANITIZE_FLAGS if sanitize else ())
 
 
+def _build(compile_flags: list[str], source: str, link_flags: list[str], target: Path, what: str) -> None:
+    """Compile the C++ ``source`` text into the shared library ``target``: built in a scratch folder
+    beside it and moved there atomically, so a concurrent build of the same text (two pytest
+    workers) is harmless."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as work:
+        source_path = Path(work) / "source.cpp"
+        source_path.write_text(source)
+        built = Path(work) / target.name
+        command = [compiler(), *compile_flags, str(source_path), *link_flags, "-o", str(built)]
+        result = subprocess.run(command, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise EmulationError(f"the emulated build of {what} failed:\n{result.stderr[-4000:]}")
+        os.replace(built, target)
+
+
+def _runtime(flags: tuple[str, ...], version: str) -> Path:
+    """The runtime library for these flags and this compiler, built on first use."""
+    texts = [(HEADER_DIR / name).read_text() for name in ("simt.h", "simt_runtime.cpp")]
+    digest = hashlib.sha256("\0".join((*texts, " ".join(flags), version)).encode()).hexdigest()[:32]
+    library = cache_dir() / f"simt-{digest}.so"
+    if not library.exists():
+        _build([*flags, f"-I{HEADER_DIR}"], texts[1], [f"-Wl,-soname,{library.name}"], library, "the runtime")
+    return library
+
+
 def compile_source(text: str, names: tuple[str, ...]) -> EmulatedModule:
     """Compile a CUDA source (headers already inlined) for the emulator, once per text and flags.
 
@@ -116,27 +142,14 @@ def compile_source(text: str, names: tuple[str, ...]) -> EmulatedModule:
     flags = _flags()
     full_text = '#include "simt.h"\n' + emulated_text(text) + _entry_points(names)
     version = subprocess.run([compiler_path, "--version"], capture_output=True, text=True).stdout
-    simt = (HEADER_DIR / "simt.h").read_text()
-    digest = hashlib.sha256("\0".join((full_text, simt, " ".join(flags), version)).encode()).hexdigest()[:32]
-    directory = cache_dir()
-    library = directory / f"{digest}.so"
+    runtime = _runtime(flags, version)
+    digest = hashlib.sha256("\0".join((full_text, runtime.name, " ".join(flags), version)).encode()).hexdigest()[:32]
+    library = runtime.parent / f"{digest}.so"
     if not library.exists():
-        directory.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=directory) as work:
-            source = Path(work) / "kernels.cpp"
-            source.write_text(full_text)
-            built = Path(work) / "kernels.so"
-            result = subprocess.run(
-                [
-                    compiler_path, *flags, f"-I{HEADER_DIR}", *(f"-I{folder}" for folder in INCLUDE_DIRS),
-                    str(source), "-o", str(built),
-                ],  # fmt: skip
-                capture_output=True,
-                text=True,
-            )
-            if result.returncode != 0:
-                raise EmulationError(f"the emulated build failed:\n{result.stderr[-4000:]}")
-            os.replace(built, library)  # atomic: a concurrent build of the same text is harmless
+        # Linked to the runtime beside it, which the loader finds there ($ORIGIN).
+        includes = [f"-I{HEADER_DIR}", *(f"-I{folder}" for folder in INCLUDE_DIRS)]
+        linking = [f"-L{runtime.parent}", f"-l:{runtime.name}", "-Wl,-rpath,$ORIGIN"]
+        _build([*flags, *includes], full_text, linking, library, "the kernels")
     return EmulatedModule(ctypes.CDLL(str(library)), names)
 
 
