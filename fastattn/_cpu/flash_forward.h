@@ -418,7 +418,7 @@ static inline void visible_keys(const FwdParams& p, int64_t b, int64_t q0, int64
  * stops there, in Q.K^T and in P.V: the keys past it are hidden from all of its rows, so
  * finish_scores makes them -inf whatever S holds there, and their P is 0.  On causal diagonal tiles
  * of 64 rows in 16-row blocks (AVX2) that skips 3/8 of a 64-key tile's products and 3/16 of a
- * 128-key tile's: ~4% of C2's work (2-core Zen 3, one thread, 8 alternations: C2 18.8 -> 17.8 ms
+ * 128-key tile's: ~4% of C2's work (2-core Zen 3, one thread, 8 alternations: C2 18.9 -> 17.8 ms
  * mean; B1 H64 S128 D64 causal 4.9 -> 4.3 ms). */
 static inline int64_t row_block_keys(const FwdParams& p, int64_t q0, int64_t qn, int64_t rows, int64_t first,
                                      int64_t count, int64_t kt, int64_t n) {
