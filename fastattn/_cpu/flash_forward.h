@@ -423,10 +423,10 @@ static inline void visible_keys(const FwdParams& p, int64_t b, int64_t q0, int64
 static inline int64_t row_block_keys(const FwdParams& p, int64_t q0, int64_t qn, int64_t rows, int64_t first,
                                      int64_t count, int64_t kt, int64_t n) {
     if (!p.causal && p.window_right < 0) return n;
-    int64_t last_pos = -1;
-    for (int64_t r = first; r < std::min(first + count, rows); ++r) last_pos = std::max(last_pos, q0 + r % qn);
-    if (last_pos < 0) return 0;
-    last_pos += p.offset;
+    const int64_t last_row = std::min(first + count, rows) - 1;
+    if (last_row < first) return 0;
+    /* r % qn is largest at the last row, unless the block runs past a multiple of qn (GQA stacking). */
+    const int64_t last_pos = q0 + p.offset + (last_row / qn != first / qn ? qn - 1 : last_row % qn);
     int64_t end = kt + n;
     if (p.causal) end = std::min(end, last_pos + 1);
     if (p.window_right >= 0) end = std::min(end, last_pos + p.window_right + 1);
