@@ -81,11 +81,21 @@ def _rotate_sum(module: emulator.EmulatedModule, x: np.ndarray, synced: bool, se
     return y
 
 
+def _butterfly_sums(x: np.ndarray, a: float) -> np.ndarray:
+    """What the device computes for rotate_sum, bit for bit: each warp's rotated tile summed by the
+    xor butterfly in float32. Every lane ends with the same value, since a + b == b + a exactly."""
+    lanes = np.arange(32)
+    values = np.roll((np.float32(a) * x).reshape(-1, 32), -1, axis=1)
+    for stride in (16, 8, 4, 2, 1):
+        values = values + values[:, lanes ^ stride]
+    return values.reshape(-1)
+
+
 def test_barriers_and_shuffles_compute_what_the_device_does(module: emulator.EmulatedModule) -> None:
     x = np.random.default_rng().standard_normal(96).astype(np.float32)
-    expected = np.repeat((3 * x).reshape(3, 32).sum(axis=1, dtype=np.float32), 32)
+    expected = _butterfly_sums(x, 3.0)
     for seed in range(4):
-        np.testing.assert_allclose(_rotate_sum(module, x, True, seed), expected, rtol=1e-5)
+        np.testing.assert_array_equal(_rotate_sum(module, x, True, seed), expected)
 
 
 def test_a_missing_barrier_reads_poison(module: emulator.EmulatedModule) -> None:
