@@ -38,19 +38,19 @@ static inline void outer_kernel(const T* a, int64_t mp, const T* bm, int64_t b_s
     typedef typename Vec<T>::type V;
     constexpr int L = Vec<T>::lanes;
     V acc[MR][NV];
-    for (int m = 0; m < MR; ++m)
-        for (int v = 0; v < NV; ++v) acc[m][v] = vload<V>(c + m * c_stride + v * L);
+    FASTATTN_UNROLL for (int m = 0; m < MR; ++m)
+        FASTATTN_UNROLL for (int v = 0; v < NV; ++v) acc[m][v] = vload<V>(c + m * c_stride + v * L);
     for (int64_t r = 0; r < rows; ++r) {
         V bv[NV];
-        for (int v = 0; v < NV; ++v) bv[v] = vload<V>(bm + r * b_stride + v * L);
-        for (int m = 0; m < MR; ++m) {
+        FASTATTN_UNROLL for (int v = 0; v < NV; ++v) bv[v] = vload<V>(bm + r * b_stride + v * L);
+        FASTATTN_UNROLL for (int m = 0; m < MR; ++m) {
             const V weight = vbroadcast<T>(a[m * mp + r]);
             if (Skip && a[m * mp + r] == T(0)) continue; /* see note_stored in flash_forward.h */
-            for (int v = 0; v < NV; ++v) acc[m][v] += weight * bv[v];
+            FASTATTN_UNROLL for (int v = 0; v < NV; ++v) acc[m][v] += weight * bv[v];
         }
     }
-    for (int m = 0; m < MR; ++m)
-        for (int v = 0; v < NV; ++v) vstore(c + m * c_stride + v * L, acc[m][v]);
+    FASTATTN_UNROLL for (int m = 0; m < MR; ++m)
+        FASTATTN_UNROLL for (int v = 0; v < NV; ++v) vstore(c + m * c_stride + v * L, acc[m][v]);
 }
 
 template <typename T, int NV, bool Skip>

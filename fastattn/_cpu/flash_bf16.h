@@ -304,35 +304,35 @@ static inline void pairs_dot(const uint16_t* x, int64_t x_m, int64_t x_p, const 
      * times its two pipes: even and odd pairs then add into separate accumulators (CH = 2). */
     constexpr int CH = NV == 1 ? 2 : 1;
     __m512 acc[CH][MR][NV];
-    for (int m = 0; m < MR; ++m)
-        for (int v = 0; v < NV; ++v) {
+    FASTATTN_UNROLL for (int m = 0; m < MR; ++m)
+        FASTATTN_UNROLL for (int v = 0; v < NV; ++v) {
             acc[0][m][v] = Accumulate ? _mm512_loadu_ps(c + m * mp + v * 16) : _mm512_setzero_ps();
-            for (int h = 1; h < CH; ++h) acc[h][m][v] = _mm512_setzero_ps();
+            FASTATTN_UNROLL for (int h = 1; h < CH; ++h) acc[h][m][v] = _mm512_setzero_ps();
         }
     int64_t p = 0;
     for (; p + CH <= pairs; p += CH) {
         between();
-        for (int h = 0; h < CH; ++h) {
+        FASTATTN_UNROLL for (int h = 0; h < CH; ++h) {
             __m512bh yv[NV];
-            for (int v = 0; v < NV; ++v) yv[v] = (__m512bh)_mm512_loadu_si512(y + v * y_v + (p + h) * y_p);
-            for (int m = 0; m < MR; ++m) {
+            FASTATTN_UNROLL for (int v = 0; v < NV; ++v) yv[v] = (__m512bh)_mm512_loadu_si512(y + v * y_v + (p + h) * y_p);
+            FASTATTN_UNROLL for (int m = 0; m < MR; ++m) {
                 const __m512bh xb = broadcast_pair(x + m * x_m + (p + h) * x_p);
-                for (int v = 0; v < NV; ++v) acc[h][m][v] = _mm512_dpbf16_ps(acc[h][m][v], yv[v], xb);
+                FASTATTN_UNROLL for (int v = 0; v < NV; ++v) acc[h][m][v] = _mm512_dpbf16_ps(acc[h][m][v], yv[v], xb);
             }
         }
     }
     for (; p < pairs; ++p) {
         between();
         __m512bh yv[NV];
-        for (int v = 0; v < NV; ++v) yv[v] = (__m512bh)_mm512_loadu_si512(y + v * y_v + p * y_p);
-        for (int m = 0; m < MR; ++m) {
+        FASTATTN_UNROLL for (int v = 0; v < NV; ++v) yv[v] = (__m512bh)_mm512_loadu_si512(y + v * y_v + p * y_p);
+        FASTATTN_UNROLL for (int m = 0; m < MR; ++m) {
             const __m512bh xb = broadcast_pair(x + m * x_m + p * x_p);
-            for (int v = 0; v < NV; ++v) acc[0][m][v] = _mm512_dpbf16_ps(acc[0][m][v], yv[v], xb);
+            FASTATTN_UNROLL for (int v = 0; v < NV; ++v) acc[0][m][v] = _mm512_dpbf16_ps(acc[0][m][v], yv[v], xb);
         }
     }
-    for (int m = 0; m < MR; ++m)
-        for (int v = 0; v < NV; ++v) {
-            for (int h = 1; h < CH; ++h) acc[0][m][v] = _mm512_add_ps(acc[0][m][v], acc[h][m][v]);
+    FASTATTN_UNROLL for (int m = 0; m < MR; ++m)
+        FASTATTN_UNROLL for (int v = 0; v < NV; ++v) {
+            FASTATTN_UNROLL for (int h = 1; h < CH; ++h) acc[0][m][v] = _mm512_add_ps(acc[0][m][v], acc[h][m][v]);
             _mm512_storeu_ps(c + m * mp + v * 16, acc[0][m][v]);
         }
 }
@@ -457,19 +457,19 @@ static inline void decode_scores_block(const uint16_t* q, int64_t D, const uint1
                                        int64_t N, __m512 scale, Between&& between) {
     constexpr int KB = 16 / RB;
     __m512 acc[16];
-    for (int u = 0; u < 16; ++u) acc[u] = _mm512_setzero_ps();
+    FASTATTN_UNROLL for (int u = 0; u < 16; ++u) acc[u] = _mm512_setzero_ps();
     for (int64_t d = 0; d < D; d += 32) {
         between();
         __m512bh keys[KB];
-        for (int u = 0; u < KB; ++u) keys[u] = (__m512bh)_mm512_loadu_si512(k + u * k_stride + d);
-        for (int r = 0; r < RB; ++r) {
+        FASTATTN_UNROLL for (int u = 0; u < KB; ++u) keys[u] = (__m512bh)_mm512_loadu_si512(k + u * k_stride + d);
+        FASTATTN_UNROLL for (int r = 0; r < RB; ++r) {
             const __m512bh query = (__m512bh)_mm512_loadu_si512(q + r * D + d);
-            for (int u = 0; u < KB; ++u) acc[r * KB + u] = _mm512_dpbf16_ps(acc[r * KB + u], keys[u], query);
+            FASTATTN_UNROLL for (int u = 0; u < KB; ++u) acc[r * KB + u] = _mm512_dpbf16_ps(acc[r * KB + u], keys[u], query);
         }
     }
     /* Lane r * KB + u of `sums` is row r's score of key u: row r takes lanes [r KB, (r + 1) KB). */
     const __m512 sums = _mm512_mul_ps(reduce_lanes_in_order<float>(acc), scale);
-    for (int r = 0; r < RB; ++r)
+    FASTATTN_UNROLL for (int r = 0; r < RB; ++r)
         _mm512_mask_storeu_ps(s + r * N - r * KB, (__mmask16)(((1u << KB) - 1) << (r * KB)), sums);
 }
 
@@ -511,25 +511,25 @@ static inline void decode_values(const uint16_t* probabilities, int64_t N, const
                                  int64_t n, float* o, int64_t Dv, Between&& between) {
     static_assert(NV % 2 == 0, "O is held in whole 32-column chunks");
     __m512 acc[R][NV];
-    for (int r = 0; r < R; ++r)
-        for (int i = 0; i < NV; ++i) acc[r][i] = _mm512_loadu_ps(o + r * Dv + i * 16);
+    FASTATTN_UNROLL for (int r = 0; r < R; ++r)
+        FASTATTN_UNROLL for (int i = 0; i < NV; ++i) acc[r][i] = _mm512_loadu_ps(o + r * Dv + i * 16);
     for (int64_t j = 0; j < n; j += 2) {
         between();
         const bool pair = j + 1 < n;
         __m512bh values[NV];
-        for (int c = 0; c < NV / 2; ++c) {
+        FASTATTN_UNROLL for (int c = 0; c < NV / 2; ++c) {
             const __m512i even = _mm512_loadu_si512(v + j * v_stride + 32 * c);
             const __m512i odd = pair ? _mm512_loadu_si512(v + (j + 1) * v_stride + 32 * c) : _mm512_setzero_si512();
             values[2 * c] = (__m512bh)_mm512_unpacklo_epi16(even, odd);
             values[2 * c + 1] = (__m512bh)_mm512_unpackhi_epi16(even, odd);
         }
-        for (int r = 0; r < R; ++r) {
+        FASTATTN_UNROLL for (int r = 0; r < R; ++r) {
             const __m512bh weights = broadcast_pair(probabilities + r * N + j);
-            for (int i = 0; i < NV; ++i) acc[r][i] = _mm512_dpbf16_ps(acc[r][i], values[i], weights);
+            FASTATTN_UNROLL for (int i = 0; i < NV; ++i) acc[r][i] = _mm512_dpbf16_ps(acc[r][i], values[i], weights);
         }
     }
-    for (int r = 0; r < R; ++r)
-        for (int i = 0; i < NV; ++i) _mm512_storeu_ps(o + r * Dv + i * 16, acc[r][i]);
+    FASTATTN_UNROLL for (int r = 0; r < R; ++r)
+        FASTATTN_UNROLL for (int i = 0; i < NV; ++i) _mm512_storeu_ps(o + r * Dv + i * 16, acc[r][i]);
 }
 
 /* Undoes decode_values' column order in one row of O (Dv a multiple of 32). */

@@ -209,18 +209,18 @@ static inline void qk_kernel(const T* k, int64_t k_stride, const T* qp, int64_t 
     typedef typename Vec<T>::type V;
     constexpr int L = Vec<T>::lanes;
     V acc[MR][NV];
-    for (int m = 0; m < MR; ++m)
-        for (int v = 0; v < NV; ++v) acc[m][v] = V{};
+    FASTATTN_UNROLL for (int m = 0; m < MR; ++m)
+        FASTATTN_UNROLL for (int v = 0; v < NV; ++v) acc[m][v] = V{};
     for (int64_t d = 0; d < depth; ++d) {
         V qv[NV];
-        for (int v = 0; v < NV; ++v) qv[v] = vload<V>(qp + d * NV * L + v * L);
-        for (int m = 0; m < MR; ++m) {
+        FASTATTN_UNROLL for (int v = 0; v < NV; ++v) qv[v] = vload<V>(qp + d * NV * L + v * L);
+        FASTATTN_UNROLL for (int m = 0; m < MR; ++m) {
             V kb = vbroadcast<T>(k[m * k_stride + d]);
-            for (int v = 0; v < NV; ++v) acc[m][v] += kb * qv[v];
+            FASTATTN_UNROLL for (int v = 0; v < NV; ++v) acc[m][v] += kb * qv[v];
         }
     }
-    for (int m = 0; m < MR; ++m)
-        for (int v = 0; v < NV; ++v) vstore(s + m * mp + v * L, acc[m][v]);
+    FASTATTN_UNROLL for (int m = 0; m < MR; ++m)
+        FASTATTN_UNROLL for (int v = 0; v < NV; ++v) vstore(s + m * mp + v * L, acc[m][v]);
 }
 
 /* qk_kernel for 8 keys and one vector of rows with between() before each kDepthChunk steps of the
@@ -233,7 +233,7 @@ static inline void qk_kernel_spread(const T* k, int64_t k_stride, const T* qp, i
                                     Between&& between) {
     typedef typename Vec<T>::type V;
     V acc[8];
-    for (int m = 0; m < 8; ++m) acc[m] = V{};
+    FASTATTN_UNROLL for (int m = 0; m < 8; ++m) acc[m] = V{};
     const T* first = k;
     const T* fifth = k + 4 * k_stride;
     const int64_t one = k_stride, three = 3 * k_stride;
@@ -244,10 +244,10 @@ static inline void qk_kernel_spread(const T* k, int64_t k_stride, const T* qp, i
             const V qv = vload<V>(qp + d * Vec<T>::lanes);
             const T values[8] = {first[0], first[one], first[2 * one], first[three],
                                  fifth[0], fifth[one], fifth[2 * one], fifth[three]};
-            for (int m = 0; m < 8; ++m) acc[m] += vbroadcast<T>(values[m]) * qv;
+            FASTATTN_UNROLL for (int m = 0; m < 8; ++m) acc[m] += vbroadcast<T>(values[m]) * qv;
         }
     }
-    for (int m = 0; m < 8; ++m) vstore(s + m * mp, acc[m]);
+    FASTATTN_UNROLL for (int m = 0; m < 8; ++m) vstore(s + m * mp, acc[m]);
 }
 
 /* O[m][rows] += sum_j V[j][m] * P[j][rows] for MR output columns and NV vectors of rows. */
@@ -256,15 +256,15 @@ static inline void pv_kernel(const T* vt, int64_t v_stride, const T* p, int64_t 
     typedef typename Vec<T>::type V;
     constexpr int L = Vec<T>::lanes;
     V acc[MR][NV];
-    for (int m = 0; m < MR; ++m)
-        for (int v = 0; v < NV; ++v) acc[m][v] = vload<V>(o + m * mp + v * L);
+    FASTATTN_UNROLL for (int m = 0; m < MR; ++m)
+        FASTATTN_UNROLL for (int v = 0; v < NV; ++v) acc[m][v] = vload<V>(o + m * mp + v * L);
     for (int64_t j = 0; j < keys; ++j) {
         V pv[NV];
-        for (int v = 0; v < NV; ++v) pv[v] = vload<V>(p + j * mp + v * L);
+        FASTATTN_UNROLL for (int v = 0; v < NV; ++v) pv[v] = vload<V>(p + j * mp + v * L);
         const T* row = vt + j * v_stride;
-        for (int m = 0; m < MR; ++m) {
+        FASTATTN_UNROLL for (int m = 0; m < MR; ++m) {
             V vb = vbroadcast<T>(row[m]);
-            for (int v = 0; v < NV; ++v) {
+            FASTATTN_UNROLL for (int v = 0; v < NV; ++v) {
                 if constexpr (Skip)
                     acc[m][v] += vselect(pv[v] != V{}, vb * pv[v], V{});
                 else
@@ -272,8 +272,8 @@ static inline void pv_kernel(const T* vt, int64_t v_stride, const T* p, int64_t 
             }
         }
     }
-    for (int m = 0; m < MR; ++m)
-        for (int v = 0; v < NV; ++v) vstore(o + m * mp + v * L, acc[m][v]);
+    FASTATTN_UNROLL for (int m = 0; m < MR; ++m)
+        FASTATTN_UNROLL for (int v = 0; v < NV; ++v) vstore(o + m * mp + v * L, acc[m][v]);
 }
 
 /* Run a micro-kernel over `count` keys/columns: full MR blocks, then one remainder block. */
@@ -339,23 +339,23 @@ static inline void accumulate_pv(T* o, int64_t o_stride, const T* s, int64_t s_r
     typedef typename Vec<T>::type V;
     constexpr int L = Vec<T>::lanes;
     V acc[R][CB];
-    for (int r = 0; r < R; ++r)
-        for (int cb = 0; cb < CB; ++cb) acc[r][cb] = vload<V>(o + r * o_stride + cb * L);
+    FASTATTN_UNROLL for (int r = 0; r < R; ++r)
+        FASTATTN_UNROLL for (int cb = 0; cb < CB; ++cb) acc[r][cb] = vload<V>(o + r * o_stride + cb * L);
     for (int64_t j = 0; j < n; ++j) {
         between(1);
         const In* value = v + j * v_stride;
         const T* weights = s + j * s_key;
         V vv[CB];
-        for (int cb = 0; cb < CB; ++cb) vv[cb] = load_vector<T>(value + cb * L);
-        for (int r = 0; r < R; ++r) {
+        FASTATTN_UNROLL for (int cb = 0; cb < CB; ++cb) vv[cb] = load_vector<T>(value + cb * L);
+        FASTATTN_UNROLL for (int r = 0; r < R; ++r) {
             const T w = weights[r * s_row];
             if (Skip && w == T(0)) continue;
             const V weight = vbroadcast(w);
-            for (int cb = 0; cb < CB; ++cb) acc[r][cb] += weight * vv[cb];
+            FASTATTN_UNROLL for (int cb = 0; cb < CB; ++cb) acc[r][cb] += weight * vv[cb];
         }
     }
-    for (int r = 0; r < R; ++r)
-        for (int cb = 0; cb < CB; ++cb) vstore(o + r * o_stride + cb * L, acc[r][cb]);
+    FASTATTN_UNROLL for (int r = 0; r < R; ++r)
+        FASTATTN_UNROLL for (int cb = 0; cb < CB; ++cb) vstore(o + r * o_stride + cb * L, acc[r][cb]);
 }
 
 /* Value passes of add_weighted_values over Dv columns: blocks of CB vectors, then of CB / 2, ..., 1. */
@@ -884,20 +884,20 @@ static inline void dot_scores_block(const T* q, int64_t D, const In* keys, int64
     typedef typename Vec<T>::type V;
     constexpr int L = Vec<T>::lanes, KB = L / RB;
     V acc[L];
-    for (int u = 0; u < L; ++u) acc[u] = V{};
+    FASTATTN_UNROLL for (int u = 0; u < L; ++u) acc[u] = V{};
     between(D / L);
     for (int64_t d = 0; d < D; d += L) {
         V k[KB];
-        for (int u = 0; u < KB; ++u) k[u] = load_vector<T>(keys + u * key_stride + d);
-        for (int r = 0; r < RB; ++r) {
+        FASTATTN_UNROLL for (int u = 0; u < KB; ++u) k[u] = load_vector<T>(keys + u * key_stride + d);
+        FASTATTN_UNROLL for (int r = 0; r < RB; ++r) {
             const V qv = vload<V>(q + r * D + d);
-            for (int u = 0; u < KB; ++u) acc[r * KB + u] += k[u] * qv;
+            FASTATTN_UNROLL for (int u = 0; u < KB; ++u) acc[r * KB + u] += k[u] * qv;
         }
     }
     /* Lane r * KB + u is row r's score of key u: each row's KB scores go out as one copy. */
     alignas(64) T sums[L];
     vstore(sums, reduce_lanes_in_order<T>(acc));
-    for (int r = 0; r < RB; ++r) std::memcpy(s + r * N, sums + r * KB, KB * sizeof(T));
+    FASTATTN_UNROLL for (int r = 0; r < RB; ++r) std::memcpy(s + r * N, sums + r * KB, KB * sizeof(T));
 }
 
 /* The scores of `rows` rows against L keys: groups of RB rows, the rest in groups of RB / 2, ... */
