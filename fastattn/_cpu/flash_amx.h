@@ -421,7 +421,7 @@ static void forward_decode_amx(const FwdParams& p, char* scratch, int64_t b, int
     }
     _tile_release();
     for (int r = 0; r < rows; ++r)
-        write_row<float, bfloat16_bits>(p, b, head[r], query[r], r, o + r * Dv, 1, row_max[r], row_sum[r], partial_out,
+        write_row<float, bfloat16_bits>(p, b, head[r], query[r], r, o + r * Dv, row_max[r], row_sum[r], partial_out,
                                         partial_lse);
 }
 

@@ -120,28 +120,35 @@ template <typename T, typename In, int NV> struct TilePack {
         const T scale = (T)p.scale;
         rows = G * qn;
         mp = round_up(rows, RB);
-        for (int64_t r = 0; r < mp; ++r) {
-            T* qdst = qp + (r / RB) * D * RB + (r % RB);
-            T* odst = dop + (r / RB) * Dv * RB + (r % RB);
-            if (r < rows) {
-                const int64_t g = r / qn, i = q0 + r % qn, h = kvh * G + g;
-                const In* qsrc = at<In>(p.q, b * p.q_stride[0] + h * p.q_stride[1] + i * p.q_stride[2]);
-                const In* osrc = at<In>(bp.dout, b * bp.dout_stride[0] + h * bp.dout_stride[1] + i * bp.dout_stride[2]);
-                for (int64_t d = 0; d < D; ++d) q_rows[r * D + d] = qdst[d * RB] = scale * load_as<T>(qsrc[d]);
-                for (int64_t c = 0; c < Dv; ++c) do_rows[r * Dv + c] = odst[c * RB] = load_as<T>(osrc[c]);
-                const T saved = *(reinterpret_cast<const T*>(p.lse) + b * p.lse_stride[0] + h * p.lse_stride[1] +
-                                  i * p.lse_stride[2]);
-                lse[r] = saved == -std::numeric_limits<T>::infinity() ? std::numeric_limits<T>::infinity()
-                                                                      : saved * kLog2e<T>;
-                delta[r] = reinterpret_cast<const T*>(bp.delta)[(b * p.heads_q + h) * p.seq_q + i];
-                position[r] = (T)(i + p.offset);
-            } else {
-                for (int64_t d = 0; d < D; ++d) q_rows[r * D + d] = qdst[d * RB] = T(0);
-                for (int64_t c = 0; c < Dv; ++c) do_rows[r * Dv + c] = odst[c * RB] = T(0);
-                lse[r] = std::numeric_limits<T>::infinity();
-                delta[r] = T(0);
-                position[r] = (T)(q0 + p.offset);
+        /* L rows at a time: packed by pack_rows, the row copies unpacked from the packed tiles. */
+        constexpr int L = Vec<T>::lanes;
+        for (int64_t r0 = 0; r0 < mp; r0 += L) {
+            const In *qsrc[L], *osrc[L];
+            for (int u = 0; u < L; ++u) {
+                const int64_t r = r0 + u;
+                if (r < rows) {
+                    const int64_t g = r / qn, i = q0 + r % qn, h = kvh * G + g;
+                    qsrc[u] = at<In>(p.q, b * p.q_stride[0] + h * p.q_stride[1] + i * p.q_stride[2]);
+                    osrc[u] = at<In>(bp.dout, b * bp.dout_stride[0] + h * bp.dout_stride[1] + i * bp.dout_stride[2]);
+                    const T saved = *(reinterpret_cast<const T*>(p.lse) + b * p.lse_stride[0] + h * p.lse_stride[1] +
+                                      i * p.lse_stride[2]);
+                    lse[r] = saved == -std::numeric_limits<T>::infinity() ? std::numeric_limits<T>::infinity()
+                                                                          : saved * kLog2e<T>;
+                    delta[r] = reinterpret_cast<const T*>(bp.delta)[(b * p.heads_q + h) * p.seq_q + i];
+                    position[r] = (T)(i + p.offset);
+                } else {
+                    qsrc[u] = osrc[u] = nullptr;
+                    lse[r] = std::numeric_limits<T>::infinity();
+                    delta[r] = T(0);
+                    position[r] = (T)(q0 + p.offset);
+                }
             }
+            T* qdst = qp + (r0 / RB) * D * RB + r0 % RB;
+            T* odst = dop + (r0 / RB) * Dv * RB + r0 % RB;
+            pack_rows<T, In>(qsrc, scale, D, qdst, RB);
+            pack_rows<T, In>(osrc, T(1), Dv, odst, RB);
+            unpack_rows<T>(qdst, RB, D, q_rows + r0 * D);
+            unpack_rows<T>(odst, RB, Dv, do_rows + r0 * Dv);
         }
     }
 };
@@ -382,19 +389,11 @@ static void dq_block(const BwdParams& bp, T* scratch, int64_t b, int64_t kvh, in
         first = false;
     }
     if (first) std::memset(dqt, 0, sizeof(T) * D * mp); /* no chunk sees these queries: dQ = 0 */
-    /* L rows at a time back to [rows][D] (L x L blocks transposed in registers), then stored. */
+    /* L rows at a time back to [rows][D] (unpack_rows), then stored. */
     T* block_rows = dqt + D * mp; /* [L][D] */
     bool finite = true;
     for (int64_t r0 = 0; r0 < rows; r0 += L) {
-        int64_t d0 = 0;
-        for (; d0 + L <= D; d0 += L) {
-            V block[L];
-            for (int t = 0; t < L; ++t) block[t] = vload<V>(dqt + (d0 + t) * mp + r0);
-            transpose_lanes<T>(block);
-            for (int u = 0; u < L; ++u) vstore(block_rows + u * D + d0, block[u]);
-        }
-        for (; d0 < D; ++d0)
-            for (int u = 0; u < L; ++u) block_rows[u * D + d0] = dqt[d0 * mp + r0 + u];
+        unpack_rows<T>(dqt + r0, mp, D, block_rows);
         for (int64_t r = r0; r < std::min<int64_t>(r0 + L, rows); ++r) {
             const int64_t g = r / qn, i = q0 + r % qn, h = kvh * p.group + g;
             In* dst = reinterpret_cast<In*>(bp.dq) + b * bp.dq_stride[0] + h * bp.dq_stride[1] + i * bp.dq_stride[2];

@@ -600,7 +600,7 @@ template <int R> struct PairKernel {
         const int64_t Dv = p.head_dim_v;
         for (int r = 0; r < R; ++r) {
             deinterleave_columns(h.buffers.o + r * Dv, Dv);
-            write_row<float, bfloat16_bits>(p, b, h.head[r], h.query[r], r, h.buffers.o + r * Dv, 1, h.row_max[r],
+            write_row<float, bfloat16_bits>(p, b, h.head[r], h.query[r], r, h.buffers.o + r * Dv, h.row_max[r],
                                             h.row_sum[r], partial_out, partial_lse);
         }
     }

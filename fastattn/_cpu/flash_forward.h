@@ -108,7 +108,7 @@ template <typename T> static size_t scratch_elements(const FwdParams& p) {
     RowShape<T> shape(p.group * p.block_queries);
     int64_t mp = std::max<int64_t>(shape.padded, 8), n = p.key_tile;
     const int64_t one = mp * p.head_dim + n * mp + p.head_dim_v * mp + 3 * mp + n * (p.head_dim + p.head_dim_v) +
-                        4 * lanes<T>();
+                        lanes<T>() * p.head_dim_v + 4 * lanes<T>();
     const int64_t rows = p.group * p.block_queries;
     const int64_t per_head = round_up(rows * (p.head_dim + n + p.head_dim_v) + lanes<T>() * p.head_dim,
                                       64 / (int64_t)sizeof(T)) +
@@ -595,39 +595,61 @@ template <typename T, typename In> struct KvTile {
     }
 };
 
-/* Elements of a row that forward_block's Q pack and write_row convert together, between strided
- * accesses to the packed Q and O[Dv][rows]: one element at a time (F16C's scalar conversion and a
- * finiteness test per element), float16 ran 5-8% slower than float32 where bfloat16 ran 2-3%
- * (B1 H8 S2048 D128 causal, 2-core Zen 3, avx2 level); by chunks 0-2%. */
-constexpr int64_t kRowChunk = 64;
-
-/* Normalise one query row's accumulator (column c at acc[c * acc_stride]) and write it: to the
- * partial buffers of a key split (row r), or to out and lse.  A row that saw no key gets 0 and
- * lse -inf. */
+/* dst[d * stride + u] = scale * src[u][d] for L = lanes rows u (a null row packs zeros) and D
+ * depths, in the compute type: the Q pack into Qp[d][rows] (forward_block; the backward's TilePack,
+ * dO too).  L x L blocks are loaded by rows (converted in registers where the level can) and
+ * transposed in registers, so each store writes one depth's L rows.  Element by element, the pack
+ * and forward_block's O write took ~8% of forward_block's samples at C2 (B1 H8 S1024 D64 causal),
+ * and TilePack's ~75% of the backward's gradient_block (2-core Zen 3). */
 template <typename T, typename In>
-static inline void write_row(const FwdParams& p, int64_t b, int64_t h, int64_t i, int64_t r, const T* acc,
-                             int64_t acc_stride, T row_max, T row_sum, T* partial_out, T* partial_lse) {
+static inline void pack_rows(const In* const* src, T scale, int64_t D, T* dst, int64_t stride) {
+    typedef typename Vec<T>::type V;
+    constexpr int L = Vec<T>::lanes;
+    int64_t d0 = 0;
+    for (; d0 + L <= D; d0 += L) {
+        V block[L];
+        for (int u = 0; u < L; ++u) block[u] = src[u] ? load_vector<T>(src[u] + d0) * scale : V{};
+        transpose_lanes<T>(block);
+        for (int t = 0; t < L; ++t) vstore(dst + (d0 + t) * stride, block[t]);
+    }
+    for (; d0 < D; ++d0)
+        for (int u = 0; u < L; ++u) dst[d0 * stride + u] = src[u] ? scale * load_as<T>(src[u][d0]) : T(0);
+}
+
+/* rows[u * n + c] = columns[c * stride + u] for L = lanes rows u and n columns: pack_rows' way
+ * back, from a transposed accumulator (O[Dv][rows], dQ^T[D][rows]) to L rows ready to store. */
+template <typename T> static inline void unpack_rows(const T* columns, int64_t stride, int64_t n, T* rows) {
+    typedef typename Vec<T>::type V;
+    constexpr int L = Vec<T>::lanes;
+    int64_t c0 = 0;
+    for (; c0 + L <= n; c0 += L) {
+        V block[L];
+        for (int t = 0; t < L; ++t) block[t] = vload<V>(columns + (c0 + t) * stride);
+        transpose_lanes<T>(block);
+        for (int u = 0; u < L; ++u) vstore(rows + u * n + c0, block[u]);
+    }
+    for (; c0 < n; ++c0)
+        for (int u = 0; u < L; ++u) rows[u * n + c0] = columns[c0 * stride + u];
+}
+
+/* Normalise one query row's accumulator acc[0 : Dv] and write it: to the partial buffers of a key
+ * split (row r), or to out and lse.  A row that saw no key gets 0 and lse -inf. */
+template <typename T, typename In>
+static inline void write_row(const FwdParams& p, int64_t b, int64_t h, int64_t i, int64_t r, const T* acc, T row_max,
+                             T row_sum, T* partial_out, T* partial_lse) {
     const int64_t Dv = p.head_dim_v;
     /* row_sum is 0 only without a key; NaN (a NaN score) is not "no key" and poisons the row. */
     const bool saw_key = row_sum != T(0);
     const T inverse = saw_key ? T(1) / row_sum : T(0);
     const T lse = saw_key ? row_max + std::log(row_sum) : -std::numeric_limits<T>::infinity();
     if (partial_out) {
-        for (int64_t c = 0; c < Dv; ++c) partial_out[r * Dv + c] = acc[c * acc_stride] * inverse;
+        for (int64_t c = 0; c < Dv; ++c) partial_out[r * Dv + c] = acc[c] * inverse;
         partial_lse[r] = lse;
         return;
     }
     In* dst = reinterpret_cast<In*>(p.out) + b * p.out_stride[0] + h * p.out_stride[1] + i * p.out_stride[2];
-    if (acc_stride == 1) { /* the decode's rows: a vector pass (element by element it took 5% of a decode) */
-        if (!store_row<T, In>(acc, inverse, dst, Dv)) note_nonfinite(p);
-    } else { /* a column of O[Dv][rows]: gathered a chunk at a time, then stored by vectors as above */
-        T column[kRowChunk];
-        for (int64_t c0 = 0; c0 < Dv; c0 += kRowChunk) {
-            const int64_t count = std::min(kRowChunk, Dv - c0);
-            for (int64_t c = 0; c < count; ++c) column[c] = acc[(c0 + c) * acc_stride];
-            if (!store_row<T, In>(column, inverse, dst + c0, count)) note_nonfinite(p);
-        }
-    }
+    /* by vectors (element by element it took 5% of a decode) */
+    if (!store_row<T, In>(acc, inverse, dst, Dv)) note_nonfinite(p);
     *(reinterpret_cast<T*>(p.lse) + b * p.lse_stride[0] + h * p.lse_stride[1] + i * p.lse_stride[2]) = lse;
 }
 
@@ -742,30 +764,19 @@ static void forward_block(const FwdParams& p, T* scratch, int64_t b, int64_t kvh
     T* k_converted = position + mp;
     T* v_converted = k_converted + N * D;
 
-    /* Pack Q (scaled) as [mp/RB][D][RB]; zero rows pad the last block. */
+    /* Pack Q (scaled) as [mp/RB][D][RB], L rows at a time; zero rows pad the last block. */
+    constexpr int L = Vec<T>::lanes;
     const T scale = (T)p.scale;
-    for (int64_t r = 0; r < mp; ++r) {
-        T* dst = qp + (r / RB) * D * RB + (r % RB);
-        if (r < rows) {
-            const int64_t g = r / qn, i = q0 + r % qn, h = kvh * G + g;
-            const In* src = at<In>(p.q, b * p.q_stride[0] + h * p.q_stride[1] + i * p.q_stride[2]);
-            if constexpr (std::is_same<T, In>::value) {
-                for (int64_t d = 0; d < D; ++d) dst[d * RB] = scale * src[d];
-            } else {
-                T row[kRowChunk];
-                for (int64_t d0 = 0; d0 < D; d0 += kRowChunk) {
-                    const int64_t count = std::min(kRowChunk, D - d0);
-                    convert_row<T, In>(src + d0, row, count);
-                    for (int64_t d = 0; d < count; ++d) dst[(d0 + d) * RB] = scale * row[d];
-                }
-            }
-            position[r] = (T)(i + p.offset);
-        } else {
-            for (int64_t d = 0; d < D; ++d) dst[d * RB] = T(0);
-            position[r] = (T)(q0 + p.offset);
+    for (int64_t r0 = 0; r0 < mp; r0 += L) {
+        const In* src[L];
+        for (int u = 0; u < L; ++u) {
+            const int64_t r = r0 + u, g = r / qn, i = q0 + r % qn, h = kvh * G + g;
+            src[u] = r < rows ? at<In>(p.q, b * p.q_stride[0] + h * p.q_stride[1] + i * p.q_stride[2]) : nullptr;
+            position[r] = (T)((r < rows ? i : q0) + p.offset);
+            row_max[r] = neg_inf;
+            row_sum[r] = T(0);
         }
-        row_max[r] = neg_inf;
-        row_sum[r] = T(0);
+        pack_rows<T, In>(src, scale, D, qp + (r0 / RB) * D * RB + r0 % RB, RB);
     }
     std::memset(o, 0, sizeof(T) * Dv * mp);
 
@@ -852,11 +863,16 @@ static void forward_block(const FwdParams& p, T* scratch, int64_t b, int64_t kvh
         }
     }
 
-    /* Normalise and write: rows that saw no key get 0 and lse -inf. */
-    for (int64_t r = 0; r < rows; ++r) {
-        const int64_t g = r / qn, i = q0 + r % qn, h = kvh * G + g;
-        write_row<T, In>(p, b, h, i, r, o_by_row ? o + r * Dv : o + r, o_by_row ? 1 : mp, row_max[r], row_sum[r],
-                         partial_out, partial_lse);
+    /* Normalise and write: rows that saw no key get 0 and lse -inf.  O[Dv][rows] comes back to rows
+     * L at a time (unpack_rows). */
+    T* o_rows = v_converted + N * Dv; /* [L][Dv] */
+    for (int64_t r0 = 0; r0 < rows; r0 += L) {
+        if (!o_by_row) unpack_rows<T>(o + r0, mp, Dv, o_rows);
+        for (int64_t r = r0; r < std::min<int64_t>(r0 + L, rows); ++r) {
+            const int64_t g = r / qn, i = q0 + r % qn, h = kvh * G + g;
+            write_row<T, In>(p, b, h, i, r, o_by_row ? o + r * Dv : o_rows + (r - r0) * Dv, row_max[r], row_sum[r],
+                             partial_out, partial_lse);
+        }
     }
 }
 
@@ -1089,7 +1105,7 @@ static void dot_tile(const FwdParams& p, DotHead<T, R>& h, int64_t b, int64_t q0
 template <typename T, typename In, int R>
 static void dot_finish(const FwdParams& p, const DotHead<T, R>& h, int64_t b, T* partial_out, T* partial_lse) {
     for (int r = 0; r < R; ++r)
-        write_row<T, In>(p, b, h.head[r], h.query[r], r, h.o + r * p.head_dim_v, 1, h.row_max[r], h.row_sum[r],
+        write_row<T, In>(p, b, h.head[r], h.query[r], r, h.o + r * p.head_dim_v, h.row_max[r], h.row_sum[r],
                          partial_out, partial_lse);
 }
 
