@@ -136,10 +136,13 @@ _cxx_args = _compile_args + ["-std=gnu++17"] + _sanitize
 _link_args = (_omp + _sanitize) if sys.platform != "win32" else []
 #: The extension code around the kernels (Cython, dispatch) runs on every CPU: the lowest level's flags.
 _baseline_args = _cxx_args + _levels[0].flags
-#: One level's kernels, in three translation units (kernel_entries.h) so that a level's forward and
-#: backward compile on two cores at once; the heaviest first.
+#: One level's kernels, in four translation units (kernel_entries.h) so that a level's forward (in
+#: two halves by dtype) and backward compile on several cores at once; the heaviest first.  With the
+#: forward in one unit, the sanitized build (.ci/run) waited on it alone: ~125 s of -O1 on a 2-core
+#: Zen 3, ~60 s for each half.
 _kernel_sources = [
     "fastattn/_cpu/kernels_forward.cpp",
+    "fastattn/_cpu/kernels_forward_half.cpp",
     "fastattn/_cpu/kernels_backward.cpp",
     "fastattn/_cpu/kernels.cpp",
 ]

@@ -8,7 +8,7 @@ one plan per problem, so a repeated call only copies that struct, sets the array
 strides (numpy's C API: no Python objects are made), and runs the work items in OpenMP ``prange``
 loops with the GIL released, on scratch the calling thread keeps (``thread_scratch.h``).  The arithmetic lives in
 ``flash_forward.h`` (forward, decode, split-KV merge) and ``flash_backward.h``, compiled once per
-instruction-set level (``kernels_forward.cpp``, ``kernels_backward.cpp``); a plan runs the table (``kernel_table.h``) of the level that
+instruction-set level (``kernels_forward.cpp``, ``kernels_forward_half.cpp``, ``kernels_backward.cpp``); a plan runs the table (``kernel_table.h``) of the level that
 was active when it was built (:func:`use_isa`; ``fastattn._cpu.isa`` chooses at import).
 """
 

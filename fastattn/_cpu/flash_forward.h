@@ -1136,7 +1136,7 @@ static inline int64_t split_length(const FwdParams& p) {
 }
 
 #if defined(FASTATTN_HAS_AVX512BF16)
-/* bfloat16 items on AVX512_BF16 vectors: flash_bf16.h, which kernels_forward.cpp includes. */
+/* bfloat16 items on AVX512_BF16 vectors: flash_bf16.h, which the kernels_forward*.cpp include. */
 static bool dpbf16_forward_applies(const FwdParams& p, int64_t rows);
 static void forward_block_dpbf16(const FwdParams& p, char* scratch, int64_t b, int64_t kvh, int64_t q0, int64_t qn,
                                  int64_t k_begin, int64_t k_end, float* partial_out, float* partial_lse);
@@ -1145,7 +1145,7 @@ static void forward_decode_dpbf16(const FwdParams& p, char* scratch, int64_t b, 
                                   int64_t k_begin, int64_t k_end, float* partial_out, float* partial_lse);
 #endif
 #if defined(FASTATTN_HAS_AMX)
-/* bfloat16 items on AMX tiles: flash_amx.h, which kernels_forward.cpp includes (active at the AMX level). */
+/* bfloat16 items on AMX tiles: flash_amx.h, which the kernels_forward*.cpp include (active at the AMX level). */
 static bool amx_forward_applies(const FwdParams& p, int64_t rows);
 static void forward_block_amx(const FwdParams& p, char* scratch, int64_t b, int64_t kvh, int64_t q0, int64_t qn,
                               int64_t k_begin, int64_t k_end, float* partial_out, float* partial_lse);

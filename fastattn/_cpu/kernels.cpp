@@ -1,9 +1,9 @@
 /* One instruction-set level's table of kernels (kernel_table.h).
  *
- * setup.py compiles this file, kernels_forward.cpp and kernels_backward.cpp once per level, with
- * that level's target flags and -DFASTATTN_ISA_NAMESPACE=isa_<level> -DFASTATTN_ISA_NAME="<level>"
- * (isa.h), and links the objects into fastattn._cpu._flash, whose dispatch (dispatch.h) calls the
- * table of the level it chose.
+ * setup.py compiles this file, kernels_forward.cpp, kernels_forward_half.cpp and kernels_backward.cpp
+ * once per level, with that level's target flags and -DFASTATTN_ISA_NAMESPACE=isa_<level>
+ * -DFASTATTN_ISA_NAME="<level>" (isa.h), and links the objects into fastattn._cpu._flash, whose
+ * dispatch (dispatch.h) calls the table of the level it chose.
  */
 #include "kernel_entries.h"
 #include "kernel_table.h"

@@ -1,6 +1,8 @@
-/* One instruction-set level's forward entry points (kernel_entries.h): the items, the split-KV
- * merge and the K/V pass before them.  The arithmetic is in flash_forward.h, flash_bf16.h and
- * flash_amx.h.
+/* One instruction-set level's forward entry points for float32 and float64 (kernel_entries.h): the
+ * items and the split-KV merge.  float16 and bfloat16 go to kernels_forward_half.cpp, a compiler
+ * process of its own: the two halves of the forward build on two cores at once.  The arithmetic is
+ * in flash_forward.h (flash_amx.h includes it with the bfloat16 kernels, whose rule,
+ * forward_kernel_of, every dtype's items ask).
  */
 #include "flash_amx.h"
 #include "kernel_entries.h"
@@ -8,54 +10,22 @@
 namespace fastattn {
 inline namespace FASTATTN_ISA_NAMESPACE {
 
-size_t forward_scratch_bytes(const FwdParams* p) {
-    if (p->dtype == DTYPE_FLOAT64) return sizeof(double) * scratch_elements<double>(*p);
-    const size_t vectors = sizeof(float) * scratch_elements<float>(*p);
-#if defined(FASTATTN_HAS_AVX512BF16)
-    if (p->dtype == DTYPE_BFLOAT16) /* one head's buffers, or a group's (forward_heads with PairKernel) */
-        return std::max(vectors, (size_t)(forward_head_group(*p) * (kHeadStateBytes + PairBuffers::bytes(*p))));
-#endif
-    return vectors;
-}
+static inline bool is_half_dtype(int dtype) { return dtype == DTYPE_FLOAT16 || dtype == DTYPE_BFLOAT16; }
 
 void forward_item(const void* params, char* scratch, int64_t item) {
     const FwdParams& p = *static_cast<const FwdParams*>(params);
+    if (is_half_dtype(p.dtype)) return forward_item_half(params, scratch, item);
 #define FASTATTN_CALL(T, In) run_item<T, In>(p, scratch, item)
-    FASTATTN_BY_DTYPE(p.dtype, FASTATTN_CALL)
+    FASTATTN_BY_FULL_DTYPE(p.dtype, FASTATTN_CALL)
 #undef FASTATTN_CALL
 }
 
-/* K/V prepared once per call before the items: V^T tiles on AMX (flash_amx.h), float16/bfloat16 K
- * and V in float32 at 16-register levels (flash_forward.h: converts_kv_once); 0 where no pass runs. */
-size_t forward_packed_bytes(const FwdParams* p) {
-#if defined(FASTATTN_HAS_AMX)
-    return packed_values_bytes(*p);
-#else
-    return converts_kv_once(*p) ? converted_kv_bytes(*p) : 0;
-#endif
-}
-
-void forward_pack(const void* params, char*, int64_t item) {
+void forward_combine(const void* params, char* scratch, int64_t index) {
     const FwdParams& p = *static_cast<const FwdParams*>(params);
-#if defined(FASTATTN_HAS_AMX)
-    pack_value_item(p, item);
-#else
-#define FASTATTN_CALL(T, In) convert_kv_item<T, In>(p, item)
-    FASTATTN_BY_DTYPE(p.dtype, FASTATTN_CALL)
-#undef FASTATTN_CALL
-#endif
-}
-
-void forward_combine(const void* params, char*, int64_t index) {
-    const FwdParams& p = *static_cast<const FwdParams*>(params);
+    if (is_half_dtype(p.dtype)) return forward_combine_half(params, scratch, index);
 #define FASTATTN_CALL(T, In) combine_item<T, In>(p, index)
-    FASTATTN_BY_DTYPE(p.dtype, FASTATTN_CALL)
+    FASTATTN_BY_FULL_DTYPE(p.dtype, FASTATTN_CALL)
 #undef FASTATTN_CALL
-}
-
-const char* forward_kernel(const FwdParams* p, int64_t rows) {
-    static const char* const names[] = {"vector", "vector-decode", "dpbf16", "dpbf16-decode", "amx", "amx-decode"};
-    return names[forward_kernel_of(*p, rows)];
 }
 
 }  // namespace FASTATTN_ISA_NAMESPACE
