@@ -304,21 +304,26 @@ template <typename T, int NV, int MR = kMainMR> struct Blocked {
             default: break;
         }
     }
-    static void pv_all(int64_t columns, const T* vt, int64_t vs, const T* p, int64_t mp, int64_t keys, T* o,
-                       bool skip_zero_weights) {
+    /* O[c][rows] += sum_j V[j][c] P[j][rows], MR columns a kernel.  Column c of key j is at
+     * vt[c * column_step + j * vs] for c a multiple of MR: column_step 1 and vs the row stride where
+     * V is [keys][columns] rows, column_step keys and vs MR for panels [columns / MR][keys][MR]
+     * (the backward's key_panels). */
+    static void pv_all(int64_t columns, const T* vt, int64_t vs, int64_t column_step, const T* p, int64_t mp,
+                       int64_t keys, T* o, bool skip_zero_weights) {
         if (skip_zero_weights)
-            pv_blocks<true>(columns, vt, vs, p, mp, keys, o);
+            pv_blocks<true>(columns, vt, vs, column_step, p, mp, keys, o);
         else
-            pv_blocks<false>(columns, vt, vs, p, mp, keys, o);
+            pv_blocks<false>(columns, vt, vs, column_step, p, mp, keys, o);
     }
     template <bool Skip>
-    static void pv_blocks(int64_t columns, const T* vt, int64_t vs, const T* p, int64_t mp, int64_t keys, T* o) {
+    static void pv_blocks(int64_t columns, const T* vt, int64_t vs, int64_t column_step, const T* p, int64_t mp,
+                          int64_t keys, T* o) {
         int64_t c = 0;
-        for (; c + MR <= columns; c += MR) pv_kernel<T, MR, NV, Skip>(vt + c, vs, p, mp, keys, o + c * mp);
+        for (; c + MR <= columns; c += MR) pv_kernel<T, MR, NV, Skip>(vt + c * column_step, vs, p, mp, keys, o + c * mp);
         switch (columns - c) {
 #define FASTATTN_PV_CASE(R) \
     case R:                 \
-        if constexpr (R < MR) pv_kernel<T, R, NV, Skip>(vt + c, vs, p, mp, keys, o + c * mp); \
+        if constexpr (R < MR) pv_kernel<T, R, NV, Skip>(vt + c * column_step, vs, p, mp, keys, o + c * mp); \
         break;
             FASTATTN_PV_CASE(1) FASTATTN_PV_CASE(2) FASTATTN_PV_CASE(3) FASTATTN_PV_CASE(4)
             FASTATTN_PV_CASE(5) FASTATTN_PV_CASE(6) FASTATTN_PV_CASE(7)
@@ -881,7 +886,7 @@ static void forward_block(const FwdParams& p, T* scratch, int64_t b, int64_t kvh
         } else {
             for (int64_t rb = 0; rb < mp; rb += RB) {
                 const int64_t keys = row_block_keys(p, q0, qn, rows, rb, RB, kt, n);
-                Blocked<T, NV>::pv_all(Dv, tile.v, tile.v_stride, s + rb, mp, keys, o + rb, skip);
+                Blocked<T, NV>::pv_all(Dv, tile.v, tile.v_stride, 1, s + rb, mp, keys, o + rb, skip);
             }
         }
     }
