@@ -13,7 +13,8 @@
  *   3. dQ for one (b, kv head, query block): the chunks' partials added in chunk order, times scale.
  * On a tile astride a causal or right-window edge, S, dP and dQ^T stop at each row block's last
  * visible key, as the forward's products do (row_block_keys: C2's backward ~3.6% faster on a 2-core
- * Zen 3, 16 alternations).
+ * Zen 3, 16 alternations), and without GQA dK/dV sum each key over the rows that see it alone
+ * (VisibleRows).
  * Five tile products per (query tile, key tile), the fewest there are; an earlier version recomputed
  * S and dP in a dQ pass over query blocks (seven) to spare the partials' memory.  The number of
  * chunks is chosen from the problem alone (fastattn/backends/cpu.py), never from the thread count,
@@ -57,16 +58,54 @@ static inline void outer_kernel(const T* a, int64_t mp, const T* bm, int64_t b_s
         FASTATTN_UNROLL for (int v = 0; v < NV; ++v) vstore(c + m * c_stride + v * L, acc[m][v]);
 }
 
+/* Rows [lo, hi) of a query tile's `rows` that causal/window let see some of the keys kt+j ..
+ * kt+j+m-1, where the rows are one head's positions in order (a group of one; with GQA all rows):
+ * the dK/dV products leave out the others, whose P and dS are 0 (finish_scores), so on a tile
+ * astride an edge they do about half the work (B4 H16 S256 D64 causal: outer_kernel's samples
+ * -32%, 2-core Zen 3).  A row left out also keeps a non-finite Q or dO row from the keys it
+ * cannot see. */
+struct VisibleRows {
+    int64_t rows, first_key_row, last_key_row; /* row of key kt seen first / last (window) */
+    bool cut_low, cut_high;
+
+    VisibleRows(const FwdParams& p, int64_t rows_, int64_t q0, int64_t kt)
+        : rows(rows_), first_key_row(0), last_key_row(0), cut_low(false), cut_high(false) {
+        if (p.group != 1) return;
+        const int64_t key_row = kt - q0 - p.offset; /* the row at key kt's own position */
+        /* causal: position >= key; window_right: position >= key - window_right. */
+        if (p.causal || p.window_right >= 0) {
+            cut_low = true;
+            first_key_row = p.causal ? key_row : key_row - p.window_right;
+        }
+        /* window_left: position <= key + window_left. */
+        if (p.window_left >= 0) {
+            cut_high = true;
+            last_key_row = key_row + p.window_left;
+        }
+    }
+    int64_t lo(int64_t j) const { return cut_low ? std::min(rows, std::max<int64_t>(0, first_key_row + j)) : 0; }
+    int64_t hi(int64_t j, int64_t m) const {
+        return cut_high ? std::max<int64_t>(0, std::min(rows, last_key_row + j + m)) : rows;
+    }
+};
+
 template <typename T, int NV, bool Skip>
-static void outer_rows(int64_t keys, const T* a, int64_t mp, const T* bm, int64_t b_stride, int64_t rows, T* c,
-                       int64_t c_stride) {
+static void outer_rows(int64_t keys, const T* a, int64_t mp, const T* bm, int64_t b_stride, T* c, int64_t c_stride,
+                       const VisibleRows& visible) {
     int64_t j = 0;
-    for (; j + kMainMR <= keys; j += kMainMR)
-        outer_kernel<T, kMainMR, NV, Skip>(a + j * mp, mp, bm, b_stride, rows, c + j * c_stride, c_stride);
+    for (; j + kMainMR <= keys; j += kMainMR) {
+        const int64_t lo = visible.lo(j), hi = visible.hi(j, kMainMR);
+        if (lo < hi)
+            outer_kernel<T, kMainMR, NV, Skip>(a + j * mp + lo, mp, bm + lo * b_stride, b_stride, hi - lo,
+                                               c + j * c_stride, c_stride);
+    }
+    const int64_t lo = visible.lo(j), hi = visible.hi(j, keys - j);
+    if (lo >= hi) return;
     switch (keys - j) {
 #define FASTATTN_OUTER_CASE(R) \
     case R:                    \
-        if constexpr (R < kMainMR) outer_kernel<T, R, NV, Skip>(a + j * mp, mp, bm, b_stride, rows, c + j * c_stride, c_stride); \
+        if constexpr (R < kMainMR) \
+            outer_kernel<T, R, NV, Skip>(a + j * mp + lo, mp, bm + lo * b_stride, b_stride, hi - lo, c + j * c_stride, c_stride); \
         break;
         FASTATTN_OUTER_CASE(1) FASTATTN_OUTER_CASE(2) FASTATTN_OUTER_CASE(3) FASTATTN_OUTER_CASE(4)
         FASTATTN_OUTER_CASE(5) FASTATTN_OUTER_CASE(6) FASTATTN_OUTER_CASE(7)
@@ -100,24 +139,24 @@ static inline void unpack_panels(const T* columns, int64_t stride, int64_t cols,
         for (int u = 0; u < L; ++u) panels[c0 * panel_rows + (r0 + u) * rest + (c - c0)] = columns[c * stride + u];
 }
 
-/* C[keys][cols] += A[keys][rows] B[rows][cols], B in column panels of panel_rows rows (unpack_panels):
- * two-vector column blocks, one-vector blocks, then a scalar tail for head dimensions that are not a
- * multiple of the vector width. */
+/* C[keys][cols] += A[keys][rows] B[rows][cols], B in column panels of panel_rows rows (unpack_panels),
+ * key j summed over the rows `visible` gives it: two-vector column blocks, one-vector blocks, then a
+ * scalar tail for head dimensions that are not a multiple of the vector width. */
 template <typename T, bool Skip>
 static void outer_columns(int64_t keys, int64_t cols, const T* a, int64_t mp, const T* panels, int64_t panel_rows,
-                          int64_t rows, T* c, int64_t c_stride) {
+                          T* c, int64_t c_stride, const VisibleRows& visible) {
     constexpr int L = Vec<T>::lanes;
     int64_t col = 0;
     for (; col + 2 * L <= cols; col += 2 * L)
-        outer_rows<T, 2, Skip>(keys, a, mp, panels + col * panel_rows, 2 * L, rows, c + col, c_stride);
+        outer_rows<T, 2, Skip>(keys, a, mp, panels + col * panel_rows, 2 * L, c + col, c_stride, visible);
     for (; col + L <= cols; col += L)
-        outer_rows<T, 1, Skip>(keys, a, mp, panels + col * panel_rows, L, rows, c + col, c_stride);
+        outer_rows<T, 1, Skip>(keys, a, mp, panels + col * panel_rows, L, c + col, c_stride, visible);
     const int64_t rest = cols - col;
     const T* bm = panels + col * panel_rows;
     for (int64_t t = 0; t < rest; ++t)
         for (int64_t j = 0; j < keys; ++j) {
             T total = 0;
-            for (int64_t r = 0; r < rows; ++r)
+            for (int64_t r = visible.lo(j); r < visible.hi(j, 1); ++r)
                 if (!Skip || a[j * mp + r] != T(0)) total += a[j * mp + r] * bm[r * rest + t];
             c[j * c_stride + col + t] += total;
         }
@@ -125,11 +164,11 @@ static void outer_columns(int64_t keys, int64_t cols, const T* a, int64_t mp, co
 
 template <typename T>
 static void outer_product(int64_t keys, int64_t cols, const T* a, int64_t mp, const T* panels, int64_t panel_rows,
-                          int64_t rows, T* c, int64_t c_stride, bool skip_zero_weights) {
+                          T* c, int64_t c_stride, const VisibleRows& visible, bool skip_zero_weights) {
     if (skip_zero_weights)
-        outer_columns<T, true>(keys, cols, a, mp, panels, panel_rows, rows, c, c_stride);
+        outer_columns<T, true>(keys, cols, a, mp, panels, panel_rows, c, c_stride, visible);
     else
-        outer_columns<T, false>(keys, cols, a, mp, panels, panel_rows, rows, c, c_stride);
+        outer_columns<T, false>(keys, cols, a, mp, panels, panel_rows, c, c_stride, visible);
 }
 
 /* K^T of a key tile as panels [D / kMainMR][keys][kMainMR] (the last zero-padded), for the dQ^T
@@ -138,12 +177,15 @@ static void outer_product(int64_t keys, int64_t cols, const T* a, int64_t mp, co
  * Packed once a key tile, read by every query tile that sees it. */
 template <typename T>
 static void pack_key_panels(const T* k, int64_t k_stride, int64_t keys, int64_t D, T* panels) {
-    for (int64_t c0 = 0; c0 < D; c0 += kMainMR) {
-        T* block = panels + c0 * keys;
-        const int64_t width = std::min<int64_t>(kMainMR, D - c0);
-        for (int64_t j = 0; j < keys; ++j) {
-            for (int64_t m = 0; m < width; ++m) block[j * kMainMR + m] = k[j * k_stride + c0 + m];
-            for (int64_t m = width; m < kMainMR; ++m) block[j * kMainMR + m] = T(0);
+    const int64_t whole = D - D % kMainMR;
+    for (int64_t j = 0; j < keys; ++j) {
+        const T* row = k + j * k_stride;
+        for (int64_t c0 = 0; c0 < whole; c0 += kMainMR)
+            std::memcpy(panels + c0 * keys + j * kMainMR, row + c0, sizeof(T) * kMainMR);
+        if (whole < D) {
+            T* last = panels + whole * keys + j * kMainMR;
+            std::memcpy(last, row + whole, sizeof(T) * (D - whole));
+            std::memset(last + (D - whole), 0, sizeof(T) * (kMainMR - (D - whole)));
         }
     }
 }
@@ -428,8 +470,9 @@ static void gradient_block(const BwdParams& bp, T* scratch, int64_t b, int64_t k
                 pack.fill(bp, b, kvh, q0, qn);
                 const int64_t mp = pack.mp;
                 tile_gradients<T, In, NV>(p, tile, t, live, k0, b, kvh, q0, qn);
-                outer_product<T>(live, Dv, t.s, mp, pack.do_panels, mp, pack.rows, dv, Dv, p.skip_zero_weights);
-                outer_product<T>(live, D, t.dp, mp, pack.q_panels, mp, pack.rows, dk, D, p.skip_zero_weights);
+                const VisibleRows visible(p, pack.rows, q0, k0);
+                outer_product<T>(live, Dv, t.s, mp, pack.do_panels, mp, dv, Dv, visible, p.skip_zero_weights);
+                outer_product<T>(live, D, t.dp, mp, pack.q_panels, mp, dk, D, visible, p.skip_zero_weights);
                 T* dqt = dq_partial_tile<T>(bp, chunk, b, kvh, qb);
                 for (int64_t rb = 0; rb < mp; rb += NV * lanes<T>()) {
                     const int64_t keys = row_block_keys(p, q0, qn, pack.rows, rb, NV * lanes<T>(), k0, live);
