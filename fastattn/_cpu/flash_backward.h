@@ -105,7 +105,8 @@ static void outer_rows(int64_t keys, const T* a, int64_t mp, const T* bm, int64_
 #define FASTATTN_OUTER_CASE(R) \
     case R:                    \
         if constexpr (R < kMainMR) \
-            outer_kernel<T, R, NV, Skip>(a + j * mp + lo, mp, bm + lo * b_stride, b_stride, hi - lo, c + j * c_stride, c_stride); \
+            outer_kernel<T, R, NV, Skip>(a + j * mp + lo, mp, bm + lo * b_stride, b_stride, hi - lo, \
+                                         c + j * c_stride, c_stride);                                \
         break;
         FASTATTN_OUTER_CASE(1) FASTATTN_OUTER_CASE(2) FASTATTN_OUTER_CASE(3) FASTATTN_OUTER_CASE(4)
         FASTATTN_OUTER_CASE(5) FASTATTN_OUTER_CASE(6) FASTATTN_OUTER_CASE(7)
@@ -200,8 +201,8 @@ template <typename T> static size_t backward_scratch_elements(const BwdParams& b
 }
 
 /* Pack the rows of one query tile: scale*Q as Qp[d][rows] (and in column panels, for dK), dO as
- * dOp[c][rows] (and in column panels, for dV), lse log2(e) (+inf for rows that saw no key, so that their P is 0), delta,
- * and each row's key position. */
+ * dOp[c][rows] (and in column panels, for dV), lse log2(e) (+inf for rows that saw no key, so that
+ * their P is 0), delta, and each row's key position. */
 template <typename T, typename In, int NV> struct TilePack {
     T *qp, *q_panels, *dop, *do_panels, *lse, *delta, *position;
     int64_t rows, mp;
