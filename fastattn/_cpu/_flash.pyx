@@ -377,7 +377,7 @@ cdef class ForwardPlan:
     @property
     def packs_kv(self):
         """Whether a run prepares K/V once for all query blocks before its items: V^T for bfloat16 on
-        AMX tiles, float32 copies of float16/bfloat16 K and V at the 16-register levels (avx2, generic)."""
+        AMX tiles, float32 copies of float16/bfloat16 K and V for the vector kernels at the other levels."""
         return self.packed_bytes > 0
 
     def run(self, q, k, v, extras):

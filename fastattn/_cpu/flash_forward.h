@@ -15,7 +15,8 @@
  *   O[c][rows] += sum_j V[j][c] * P[j][rows]     (micro-kernel: MR columns x RB rows, V[j][c]
  *                                                  broadcast, P row loaded; V in the compute type,
  *                                                  float16/bfloat16 tiles converted into scratch)
- * or, with 32 vector registers, for half-precision inputs and tiles of one row block, by row:
+ * or, with 32 vector registers, for tiles of one row block and half-precision inputs read in place
+ * (not converted once: one query block per kv head), by row:
  *   O[r][c:c+CB*L] += sum_j P[j][r] * V[j][c:c+CB*L]   (add_weighted_values: R = 8 rows x CB = 2
  *                                                       vectors, P[j][r] broadcast, V row loaded)
  * which reads V rows where they lie, converted in registers once per 8 rows: no converted V tile,
@@ -24,9 +25,9 @@
  * 10.1-10.4, float32 Sq=4 9.5 -> 8.2-8.7, Sq=8 12.5 -> 11.3, float16 C5 88 -> 83; by row was 6-8%
  * slower for fp32 tiles of two row blocks (C3, C5, 64-row decodes), and with 16 registers (4 x 2
  * or 4 x 3 blocks) 8-35% slower everywhere (forward_block's o_by_row).  K is read in place when the
- * input is the compute type; float16/bfloat16 K tiles are converted into scratch first (the decode
- * path, DotKernel, converts K in registers), and with 16 registers K and V are converted once per
- * call for all query blocks (converts_kv_once).
+ * input is the compute type; float16/bfloat16 K and V are converted once per call for all query
+ * blocks where a kv head has several (converts_kv_once), else K tiles are converted into scratch
+ * (the decode path, DotKernel, converts K in registers).
  *
  * Tile sizes: RB = 2 vectors of rows (32 floats with AVX-512, 16 with AVX2), 1 vector when the
  * tile has that few rows (decode); MR = 8 (AVX-512, 32 registers: 16 accumulators) or 6 (AVX2,
@@ -531,9 +532,17 @@ constexpr bool kValuesByRow = false;
 #endif
 constexpr int kValueRows = 8, kValueVectors = 2;
 
-/* Float32 copies of float16/bfloat16 K and V made once per call (converts_kv_once, at levels
- * without kValuesByRow only: at the AMX level packed_kv holds V^T instead): K [B][Hkv][Sk][D], then
- * V [B][Hkv][Sk][Dv], in packed_kv. */
+/* Whether a level may convert float16/bfloat16 K and V once per call (converts_kv_once): all but
+ * the AMX level, where packed_kv holds bfloat16 V^T tiles instead. */
+#if defined(FASTATTN_HAS_AMX)
+constexpr bool kConvertsKvOnce = false;
+#else
+constexpr bool kConvertsKvOnce = true;
+#endif
+
+/* Float32 copies of float16/bfloat16 K and V made once per call (converts_kv_once; not at the AMX
+ * level, where packed_kv holds V^T instead): K [B][Hkv][Sk][D], then V [B][Hkv][Sk][Dv], in
+ * packed_kv. */
 template <typename T> static inline T* converted_keys(const FwdParams& p, int64_t b, int64_t kvh) {
     return reinterpret_cast<T*>(p.packed_kv) + (b * p.heads_kv + kvh) * p.seq_k * p.head_dim;
 }
@@ -549,6 +558,11 @@ template <typename T, typename In> struct KvTile {
     const T* k;
     const T* v;
     int64_t k_stride, v_stride;
+
+    /* Whether this call's K and V were converted once into packed_kv (converts_kv_once). */
+    static bool converted_once(const FwdParams& p) {
+        return kConvertsKvOnce && !std::is_same<T, In>::value && p.packed_kv != nullptr;
+    }
 
     void load_keys(const FwdParams& p, int64_t b, int64_t kvh, int64_t kt, int64_t n, T* k_converted) {
         if (converted_once(p)) {
@@ -582,9 +596,6 @@ template <typename T, typename In> struct KvTile {
     }
 
   private:
-    static bool converted_once(const FwdParams& p) {
-        return !kValuesByRow && !std::is_same<T, In>::value && p.packed_kv != nullptr;
-    }
     /* n rows of `width` elements from key kt of (b, kvh) in `base`, where they lie or converted. */
     static const T* rows(const char* base, const int64_t* stride, int64_t width, int64_t b, int64_t kvh, int64_t kt,
                          int64_t n, T* converted, int64_t* row_stride) {
@@ -780,8 +791,10 @@ static void forward_block(const FwdParams& p, T* scratch, int64_t b, int64_t kvh
      * converted copy, and for tiles of one row block; O[c][rows] (Blocked::pv_all) for larger tiles
      * of the compute type, where by row was 6-8% slower (2-core Zen 5: fp32 C3, C5 and the Sq=16
      * decode with 64 rows; its 8 row passes per column block fetch the V tile from L2 more often
-     * than the 2 row blocks of rows-as-lanes). */
-    const bool o_by_row = kValuesByRow && (!std::is_same<T, In>::value || mp == RB);
+     * than the 2 row blocks of rows-as-lanes), and for K and V converted once per call, which this
+     * reads as float32 tiles. */
+    const bool o_by_row =
+        kValuesByRow && !KvTile<T, In>::converted_once(p) && (!std::is_same<T, In>::value || mp == RB);
 
     T* qp = scratch;
     T* s = qp + mp * D;
@@ -1206,10 +1219,13 @@ static inline ForwardKernel forward_kernel_of(const FwdParams& p, int64_t rows) 
 
 /* ---- K and V converted once per call ----------------------------------------------------------
  *
- * Without kValuesByRow, forward_block converts float16/bfloat16 K and V tiles into its scratch, so
- * every query block of a kv head converted the same tiles again: float16 and bfloat16 C1-C5 ran
- * 3-20% slower than float32 (2-core Zen 3, AVX2; after, 2-3% in one process for C1/C2, 0.85-1.14x
- * of float32's time in bench_cpu.py for C1-C5, within that host's noise).  Where those items run
+ * forward_block converts float16/bfloat16 K tiles (and, without kValuesByRow, V tiles) into its
+ * scratch, so every query block of a kv head converted the same tiles again: float16 and bfloat16
+ * C1-C5 ran 3-20% slower than float32 (2-core Zen 3, AVX2; after, 2-3% in one process for C1/C2,
+ * 0.85-1.14x of float32's time in bench_cpu.py for C1-C5, within that host's noise).  With
+ * kValuesByRow, reading V rows in place by row and converting K per tile ran 9-17% slower than
+ * float32 (2-core Xeon, family 6 model 207, AVX-512: C1, C3, C4; one process, dtypes interleaved);
+ * converted once and read as float32 tiles, 0.92-1.07 of float32's time.  Where those items run
  * and a kv head has several query blocks, a pass before the items converts each (b, kv head, key
  * tile) once into packed_kv (converted_keys, converted_values), and the items read float32 rows in
  * place, as for float32 inputs.  Keys at or past the batch row's key_lengths are never read and are
@@ -1223,7 +1239,7 @@ static inline size_t converted_kv_bytes(const FwdParams& p) {
 }
 
 static inline bool converts_kv_once(const FwdParams& p) {
-    if (kValuesByRow || (p.dtype != DTYPE_FLOAT16 && p.dtype != DTYPE_BFLOAT16)) return false;
+    if (!kConvertsKvOnce || (p.dtype != DTYPE_FLOAT16 && p.dtype != DTYPE_BFLOAT16)) return false;
     if (p.splits != 1 || forward_head_group(p) > 1 || p.query_blocks < 2) return false;
     return forward_kernel_of(p, p.group * std::min(p.block_queries, p.seq_q)) == KERNEL_VECTOR &&
            converted_kv_bytes(p) <= kConvertedKvMaxBytes;

@@ -41,7 +41,7 @@ struct FwdParams {
     char* partial_out;    /* splits > 1: [items][splits][rows][Dv] in the compute type */
     char* partial_lse;    /* splits > 1: [items][splits][rows] */
     char* packed_kv;      /* K/V prepared once per call before the items, or NULL: bfloat16 on AMX, V^T
-                           * of every key tile (flash_amx.h); float16/bfloat16 at 16-register levels,
+                           * of every key tile (flash_amx.h); float16/bfloat16 at the other levels,
                            * K and V in float32 (flash_forward.h: converts_kv_once) */
     int skip_zero_weights; /* products whose weight (P or dS) is exactly 0 are skipped, not added */
     int* nonfinite_output; /* set to 1 (relaxed atomic) when a NaN or infinity is stored in a result */
