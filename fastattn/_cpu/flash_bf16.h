@@ -574,6 +574,14 @@ template <int R> struct PairKernel {
         std::memset(h.buffers.o, 0, sizeof(float) * R * p.head_dim_v);
     }
 
+    /* Empty sums and accumulators, the running maxima kept (flash_forward.h: key_sweeps).  Not
+     * reached: the rerun that walks the keys twice declines these kernels (dpbf16_decode_applies);
+     * forward_head and forward_heads, shared with DotKernel, call it for that rerun only. */
+    static void restart(const FwdParams& p, Head& h) {
+        std::memset(h.buffers.o, 0, sizeof(float) * R * p.head_dim_v);
+        std::fill(h.row_sum, h.row_sum + R, 0.0f);
+    }
+
     static void tile(const FwdParams& p, Head& h, int64_t b, int64_t q0, int64_t qn, int64_t kt, int64_t n,
                      const SpreadPrefetch<uint16_t>& next) {
         SpreadPrefetch<uint16_t> ahead = next; /* a local: its cursors stay in registers */

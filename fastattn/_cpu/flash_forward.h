@@ -72,10 +72,28 @@ inline namespace FASTATTN_ISA_NAMESPACE {
  * The contract (the reference backend) skips such products.  Skipping costs a select per product,
  * so the kernels run without it first and record whether any stored result is non-finite; a leak
  * can only add NaN or infinity, so a finite result is already exact, and a non-finite one makes
- * the caller rerun with skip_zero_weights = 1. */
+ * the caller rerun with skip_zero_weights = 1.
+ * A weight is the reference's exp(s - m) with m the row's maximum over all its keys, flushed to 0
+ * below the smallest normal float; the online softmax weighs a tile's keys against the maximum so
+ * far, so a key that underflows against the final maximum can have a weight above 0 in its own tile
+ * (the maximum came later), and a NaN it carries stays in the accumulator however small the
+ * rescale.  So the rerun walks the keys twice (key_sweeps): the first walk, over all of the row's
+ * keys (every split's), leaves the final maximum in the running one; the sums and accumulators
+ * are cleared, and the second walk weighs each key against the final maximum from its first tile,
+ * where every rescale is exactly 1. */
 static inline void note_nonfinite(const FwdParams& p) { __atomic_store_n(p.nonfinite_output, 1, __ATOMIC_RELAXED); }
 static inline void note_stored(const FwdParams& p, double value) {
     if (!std::isfinite(value)) note_nonfinite(p);
+}
+
+/* Walks of an item's keys: 2 in the rerun that skips zero weights (see above), else 1.  Walk 0 of
+ * two covers the keys 0..seq_k; the last walk, the item's own [k_begin, k_end). */
+static inline int key_sweeps(const FwdParams& p) { return p.skip_zero_weights ? 2 : 1; }
+static inline void sweep_keys(const FwdParams& p, int sweep, int64_t k_begin, int64_t k_end, int64_t* from,
+                              int64_t* to) {
+    const bool all = sweep + 1 < key_sweeps(p);
+    *from = all ? 0 : k_begin;
+    *to = all ? p.seq_k : k_end;
 }
 
 #if FASTATTN_VECTOR_BYTES == 64
@@ -815,91 +833,95 @@ static void forward_block(const FwdParams& p, T* scratch, int64_t b, int64_t kvh
             src[u] = r < rows ? at<In>(p.q, b * p.q_stride[0] + h * p.q_stride[1] + i * p.q_stride[2]) : nullptr;
             position[r] = (T)((r < rows ? i : q0) + p.offset);
             row_max[r] = neg_inf;
-            row_sum[r] = T(0);
         }
         pack_rows<T, In>(src, scale, D, qp + (r0 / RB) * D * RB + r0 % RB, RB);
     }
-    std::memset(o, 0, sizeof(T) * Dv * mp);
 
-    int64_t lo, hi;
-    visible_keys(p, b, q0, qn, k_begin, k_end, &lo, &hi);
+    for (int sweep = 0; sweep < key_sweeps(p); ++sweep) {
+        /* Each walk from empty sums and accumulators; the rerun's second keeps the first's maxima. */
+        std::memset(o, 0, sizeof(T) * Dv * mp);
+        std::fill(row_sum, row_sum + mp, T(0));
+        int64_t from, to, lo, hi;
+        sweep_keys(p, sweep, k_begin, k_end, &from, &to);
+        visible_keys(p, b, q0, qn, from, to, &lo, &hi);
 
-    for (int64_t kt = lo; kt < hi; kt += N) {
-        const int64_t n = std::min(N, hi - kt);
-        if (p.mask_kind != MASK_NONE && mask_hides_tile(p, b, kvh, q0, qn, kt, n)) continue;
-        KvTile<T, In> tile;
-        if (o_by_row)
-            tile.load_keys(p, b, kvh, kt, n, k_converted);
-        else
-            tile.load(p, b, kvh, kt, n, k_converted, v_converted);
-        const In* v_rows = at<In>(p.v, b * p.v_stride[0] + kvh * p.v_stride[1] + kt * p.v_stride[2]);
+        for (int64_t kt = lo; kt < hi; kt += N) {
+            const int64_t n = std::min(N, hi - kt);
+            if (p.mask_kind != MASK_NONE && mask_hides_tile(p, b, kvh, q0, qn, kt, n)) continue;
+            KvTile<T, In> tile;
+            if (o_by_row)
+                tile.load_keys(p, b, kvh, kt, n, k_converted);
+            else
+                tile.load(p, b, kvh, kt, n, k_converted, v_converted);
+            const In* v_rows = at<In>(p.v, b * p.v_stride[0] + kvh * p.v_stride[1] + kt * p.v_stride[2]);
 
-        /* The next tile's K and V rows and this tile's mask rows go to the prefetcher spread over
-         * the tile's work: shares during the scores (the mask's there alone) and before each value
-         * row of each P.V pass.  float32 tiles of one vector of rows with O by row, decodes that wait
-         * on memory, split the lines between the two in proportion to their FMAs and issue the
-         * scores' share every kDepthChunk steps (spread_scores_tile): with a share before each block
-         * of 8 keys the lines came almost all during P.V, and memory idled through the scores
-         * (bench_cpu.py C6q4 float32 on a 2-core Zen 5: 8.35 -> 7.07 ms, 66-73% -> 72-75% of the read).
-         * The others keep the scores' loop free of the prefetch walk, a share before each block of
-         * scores (as many lines a call as P.V's): half precision inputs are bound by their FMAs
-         * (the spread made C6q4 float16 4-9% slower), and with two vectors of rows the walk's
-         * registers spill the loop's. */
-        const int64_t next_n = kt + N < hi ? std::min(N, hi - kt - N) : 0;
-        SpreadPrefetch<In> ahead = KvTile<T, In>::next_lines(p, b, kvh, kt + N, next_n);
-        MaskPrefetch mask_lines(p, b, kvh, q0, qn, rows, kt, n);
-        int64_t score_calls = std::max<int64_t>(1, mp / RB * (n / kMainMR));
-        const int64_t value_calls = o_by_row ? value_rows / kValueRows * value_passes<T, kValueVectors>(Dv) * n : 0;
-        constexpr bool spread_capable = kValuesByRow && std::is_same<T, In>::value && NV == 1;
-        const bool spread_scores = spread_capable && value_calls > 0; /* Dv of a vector or more */
-        int64_t lines_per_score_call = (ahead.total_lines() + score_calls + value_calls - 1) / (score_calls + value_calls);
-        int64_t lines_per_value_call = lines_per_score_call;
-        if constexpr (spread_capable) {
-            if (spread_scores) {
-                score_calls = std::max<int64_t>(1, n / 8 * ((D + kDepthChunk - 1) / kDepthChunk));
-                const int64_t score_lines = ahead.total_lines() * D / (D + Dv * value_rows / mp);
-                lines_per_score_call = (score_lines + score_calls - 1) / score_calls;
-                lines_per_value_call = (ahead.total_lines() - score_lines + value_calls - 1) / value_calls;
+            /* The next tile's K and V rows and this tile's mask rows go to the prefetcher spread over
+             * the tile's work: shares during the scores (the mask's there alone) and before each value
+             * row of each P.V pass.  float32 tiles of one vector of rows with O by row, decodes that wait
+             * on memory, split the lines between the two in proportion to their FMAs and issue the
+             * scores' share every kDepthChunk steps (spread_scores_tile): with a share before each block
+             * of 8 keys the lines came almost all during P.V, and memory idled through the scores
+             * (bench_cpu.py C6q4 float32 on a 2-core Zen 5: 8.35 -> 7.07 ms, 66-73% -> 72-75% of the read).
+             * The others keep the scores' loop free of the prefetch walk, a share before each block of
+             * scores (as many lines a call as P.V's): half precision inputs are bound by their FMAs
+             * (the spread made C6q4 float16 4-9% slower), and with two vectors of rows the walk's
+             * registers spill the loop's. */
+            const int64_t next_n = kt + N < hi ? std::min(N, hi - kt - N) : 0;
+            SpreadPrefetch<In> ahead = KvTile<T, In>::next_lines(p, b, kvh, kt + N, next_n);
+            MaskPrefetch mask_lines(p, b, kvh, q0, qn, rows, kt, n);
+            int64_t score_calls = std::max<int64_t>(1, mp / RB * (n / kMainMR));
+            const int64_t value_calls = o_by_row ? value_rows / kValueRows * value_passes<T, kValueVectors>(Dv) * n : 0;
+            constexpr bool spread_capable = kValuesByRow && std::is_same<T, In>::value && NV == 1;
+            const bool spread_scores = spread_capable && value_calls > 0; /* Dv of a vector or more */
+            int64_t lines_per_score_call = (ahead.total_lines() + score_calls + value_calls - 1) / (score_calls + value_calls);
+            int64_t lines_per_value_call = lines_per_score_call;
+            if constexpr (spread_capable) {
+                if (spread_scores) {
+                    score_calls = std::max<int64_t>(1, n / 8 * ((D + kDepthChunk - 1) / kDepthChunk));
+                    const int64_t score_lines = ahead.total_lines() * D / (D + Dv * value_rows / mp);
+                    lines_per_score_call = (score_lines + score_calls - 1) / score_calls;
+                    lines_per_value_call = (ahead.total_lines() - score_lines + value_calls - 1) / value_calls;
+                }
             }
-        }
-        const int64_t mask_lines_per_call = (mask_lines.total_lines() + score_calls - 1) / score_calls;
+            const int64_t mask_lines_per_call = (mask_lines.total_lines() + score_calls - 1) / score_calls;
 
-        /* S[j][rows] = K Qp^T (scale already in Qp). */
-        auto issue_scores_share = [&] {
-            ahead.issue(lines_per_score_call);
-            mask_lines.issue(mask_lines_per_call);
-        };
-        if constexpr (spread_capable) {
-            if (spread_scores) {
-                /* Without a mask, a hook without the mask's walk: the loop keeps its registers. */
-                if (mask_lines.total_lines() > 0)
-                    spread_scores_tile<T>(n, tile.k, tile.k_stride, qp, D, s, mp, issue_scores_share);
-                else
-                    spread_scores_tile<T>(n, tile.k, tile.k_stride, qp, D, s, mp,
-                                          [&] { ahead.issue(lines_per_score_call); });
+            /* S[j][rows] = K Qp^T (scale already in Qp). */
+            auto issue_scores_share = [&] {
+                ahead.issue(lines_per_score_call);
+                mask_lines.issue(mask_lines_per_call);
+            };
+            if constexpr (spread_capable) {
+                if (spread_scores) {
+                    /* Without a mask, a hook without the mask's walk: the loop keeps its registers. */
+                    if (mask_lines.total_lines() > 0)
+                        spread_scores_tile<T>(n, tile.k, tile.k_stride, qp, D, s, mp, issue_scores_share);
+                    else
+                        spread_scores_tile<T>(n, tile.k, tile.k_stride, qp, D, s, mp,
+                                              [&] { ahead.issue(lines_per_score_call); });
+                }
             }
-        }
-        if (!spread_scores)
-            for (int64_t rb = 0; rb < mp; rb += RB)
-                Blocked<T, NV>::qk_all(row_block_keys(p, q0, qn, rows, rb, RB, kt, n), tile.k, tile.k_stride,
-                                       qp + rb * D, D, s + rb, mp, issue_scores_share);
+            if (!spread_scores)
+                for (int64_t rb = 0; rb < mp; rb += RB)
+                    Blocked<T, NV>::qk_all(row_block_keys(p, q0, qn, rows, rb, RB, kt, n), tile.k, tile.k_stride,
+                                           qp + rb * D, D, s + rb, mp, issue_scores_share);
 
-        finish_scores<T>(p, s, nullptr, mp, rows, n, kt, b, kvh, q0, qn, position, T(1));
+            finish_scores<T>(p, s, nullptr, mp, rows, n, kt, b, kvh, q0, qn, position, T(1));
 
-        online_softmax<T>(s, n, mp, row_max, row_sum, o, Dv, T(1), StoreProbabilities<T>{s, n, mp}, o_by_row);
+            online_softmax<T>(s, n, mp, row_max, row_sum, o, Dv, T(1), StoreProbabilities<T>{s, n, mp}, o_by_row);
 
-        /* O += (P o dropout)^T V; row_sum above took P before dropout. */
-        if (p.dropout_p > 0) dropout_tile<T>(p, s, mp, 1, rows, n, kt, b, kvh, q0, qn, false);
-        if (o_by_row) {
-            auto issue = [&](int64_t steps) __attribute__((always_inline)) { ahead.issue(lines_per_value_call * steps); };
-            for (int64_t r = 0; r < value_rows; r += kValueRows)
-                add_weighted_values<T, In, kValueRows, kValueVectors>(
-                    o + r * Dv, Dv, s + r, 1, mp, v_rows, p.v_stride[2],
-                    row_block_keys(p, q0, qn, rows, r, kValueRows, kt, n), skip, issue);
-        } else {
-            for (int64_t rb = 0; rb < mp; rb += RB) {
-                const int64_t keys = row_block_keys(p, q0, qn, rows, rb, RB, kt, n);
-                Blocked<T, NV>::pv_all(Dv, tile.v, tile.v_stride, 1, s + rb, mp, keys, o + rb, skip);
+            /* O += (P o dropout)^T V; row_sum above took P before dropout. */
+            if (p.dropout_p > 0) dropout_tile<T>(p, s, mp, 1, rows, n, kt, b, kvh, q0, qn, false);
+            if (o_by_row) {
+                auto issue = [&](int64_t steps) __attribute__((always_inline)) { ahead.issue(lines_per_value_call * steps); };
+                for (int64_t r = 0; r < value_rows; r += kValueRows)
+                    add_weighted_values<T, In, kValueRows, kValueVectors>(
+                        o + r * Dv, Dv, s + r, 1, mp, v_rows, p.v_stride[2],
+                        row_block_keys(p, q0, qn, rows, r, kValueRows, kt, n), skip, issue);
+            } else {
+                for (int64_t rb = 0; rb < mp; rb += RB) {
+                    const int64_t keys = row_block_keys(p, q0, qn, rows, rb, RB, kt, n);
+                    Blocked<T, NV>::pv_all(Dv, tile.v, tile.v_stride, 1, s + rb, mp, keys, o + rb, skip);
+                }
             }
         }
     }
@@ -1305,26 +1327,31 @@ static void forward_heads(const FwdParams& p, char* scratch, const ItemIndex& in
         group[g] = new (scratch + g * room) Head();
         Kernel::start(p, *group[g], scratch + g * room + kHeadStateBytes, b, first + g, q0, qn);
     }
-    int64_t lo, hi;
-    visible_keys(p, b, q0, qn, k_begin, k_end, &lo, &hi);
     const bool one_run = p.k_stride[1] == p.head_dim && p.v_stride[1] == p.head_dim_v &&
                          p.k_stride[2] == heads * p.head_dim && p.v_stride[2] == heads * p.head_dim_v;
-    for (int64_t kt = lo; kt < hi; kt += N) {
-        const int64_t n = std::min(N, hi - kt), next_n = kt + N < hi ? std::min(N, hi - kt - N) : 0;
-        const char* k_next = p.k + (b * p.k_stride[0] + first * p.k_stride[1] + (kt + N) * p.k_stride[2]) * element;
-        const char* v_next = p.v + (b * p.v_stride[0] + first * p.v_stride[1] + (kt + N) * p.v_stride[2]) * element;
-        const int64_t k_bytes = next_n * p.k_stride[2] * element, v_bytes = next_n * p.v_stride[2] * element;
-        for (int64_t g = 0; g < heads; ++g) {
-            if (p.mask_kind != MASK_NONE && mask_hides_tile(p, b, first + g, q0, qn, kt, n)) continue;
-            if (one_run) {
-                Kernel::tile(p, *group[g], b, q0, qn, kt, n,
-                             SpreadPrefetch<In>(k_next + k_bytes * g / heads, k_next + k_bytes * (g + 1) / heads,
-                                                v_next + v_bytes * g / heads, v_next + v_bytes * (g + 1) / heads));
-            } else {
-                const bool last = g + 1 == heads;
-                Kernel::tile(p, *group[g], b, q0, qn, kt, n,
-                             SpreadPrefetch<In>(p, b, last ? first : first + g + 1, last ? kt + N : kt,
-                                                last ? next_n : n));
+    for (int sweep = 0; sweep < key_sweeps(p); ++sweep) {
+        if (sweep > 0)
+            for (int64_t g = 0; g < heads; ++g) Kernel::restart(p, *group[g]);
+        int64_t from, to, lo, hi;
+        sweep_keys(p, sweep, k_begin, k_end, &from, &to);
+        visible_keys(p, b, q0, qn, from, to, &lo, &hi);
+        for (int64_t kt = lo; kt < hi; kt += N) {
+            const int64_t n = std::min(N, hi - kt), next_n = kt + N < hi ? std::min(N, hi - kt - N) : 0;
+            const char* k_next = p.k + (b * p.k_stride[0] + first * p.k_stride[1] + (kt + N) * p.k_stride[2]) * element;
+            const char* v_next = p.v + (b * p.v_stride[0] + first * p.v_stride[1] + (kt + N) * p.v_stride[2]) * element;
+            const int64_t k_bytes = next_n * p.k_stride[2] * element, v_bytes = next_n * p.v_stride[2] * element;
+            for (int64_t g = 0; g < heads; ++g) {
+                if (p.mask_kind != MASK_NONE && mask_hides_tile(p, b, first + g, q0, qn, kt, n)) continue;
+                if (one_run) {
+                    Kernel::tile(p, *group[g], b, q0, qn, kt, n,
+                                 SpreadPrefetch<In>(k_next + k_bytes * g / heads, k_next + k_bytes * (g + 1) / heads,
+                                                    v_next + v_bytes * g / heads, v_next + v_bytes * (g + 1) / heads));
+                } else {
+                    const bool last = g + 1 == heads;
+                    Kernel::tile(p, *group[g], b, q0, qn, kt, n,
+                                 SpreadPrefetch<In>(p, b, last ? first : first + g + 1, last ? kt + N : kt,
+                                                    last ? next_n : n));
+                }
             }
         }
     }
@@ -1351,6 +1378,11 @@ template <typename T_, typename In_, int R> struct DotKernel {
                      const SpreadPrefetch<In>& next) {
         dot_tile<T, In, R>(p, h, b, q0, qn, kt, n, next);
     }
+    /* Empty sums and accumulators, the running maxima kept (key_sweeps' second walk). */
+    static void restart(const FwdParams& p, Head& h) {
+        std::memset(h.o, 0, sizeof(T) * R * p.head_dim_v);
+        std::fill(h.row_sum, h.row_sum + R, T(0));
+    }
     static void finish(const FwdParams& p, const Head& h, int64_t b, T* partial_out, T* partial_lse) {
         dot_finish<T, In, R>(p, h, b, partial_out, partial_lse);
     }
@@ -1372,13 +1404,17 @@ static void forward_head(const FwdParams& p, char* scratch, int64_t b, int64_t k
     const int64_t N = p.key_tile;
     typename Kernel::Head h;
     Kernel::start(p, h, scratch, b, kvh, q0, qn);
-    int64_t lo, hi;
-    visible_keys(p, b, q0, qn, k_begin, k_end, &lo, &hi);
-    for (int64_t kt = lo; kt < hi; kt += N) {
-        const int64_t n = std::min(N, hi - kt);
-        if (p.mask_kind != MASK_NONE && mask_hides_tile(p, b, kvh, q0, qn, kt, n)) continue;
-        Kernel::tile(p, h, b, q0, qn, kt, n,
-                     SpreadPrefetch<In>(p, b, kvh, kt + N, kt + N < hi ? std::min(N, hi - kt - N) : 0));
+    for (int sweep = 0; sweep < key_sweeps(p); ++sweep) {
+        if (sweep > 0) Kernel::restart(p, h);
+        int64_t from, to, lo, hi;
+        sweep_keys(p, sweep, k_begin, k_end, &from, &to);
+        visible_keys(p, b, q0, qn, from, to, &lo, &hi);
+        for (int64_t kt = lo; kt < hi; kt += N) {
+            const int64_t n = std::min(N, hi - kt);
+            if (p.mask_kind != MASK_NONE && mask_hides_tile(p, b, kvh, q0, qn, kt, n)) continue;
+            Kernel::tile(p, h, b, q0, qn, kt, n,
+                         SpreadPrefetch<In>(p, b, kvh, kt + N, kt + N < hi ? std::min(N, hi - kt - N) : 0));
+        }
     }
     Kernel::finish(p, h, b, partial_out, partial_lse);
 }

@@ -21,7 +21,7 @@ import fastattn
 from ._cases import Case, array_module, bhsd_float64, cases, dout_like, make_inputs, to_host
 
 _POISONS = (np.nan, np.inf, -np.inf)
-_TOLERANCE = {"float64": 1e-9, "float32": 1e-4}
+_TOLERANCE = {"float64": 1e-9, "float32": 1e-4, "float16": 2e-2, "bfloat16": 2e-2}
 
 
 def _poison(array, rng: np.random.Generator, count: int, device: str):
@@ -105,3 +105,52 @@ def test_garbage_in_hidden_keys_never_reaches_a_row(backend: str) -> None:
         assert np.isfinite(dq[:, :, :30]).all()
         if "key_lengths" in kwargs:  # (under causal, rows 30+ see the NaN keys and poison every dK)
             assert np.isfinite(dk[:, :, :30]).all() and np.isfinite(dv[:, :, :30]).all()
+
+
+#: (batch, q heads, kv heads, query positions, keys, the early key, the late key): a prefill tile of
+#: rows over three key tiles, and a one-position decode whose keys the cpu backend splits by thread.
+_LATE_MAXIMUM_SHAPES = {"prefill": (1, 2, 2, 40, 300, 5, 250), "decode": (1, 4, 1, 1, 4096, 5, 4000)}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "bfloat16"])
+@pytest.mark.parametrize("shape", list(_LATE_MAXIMUM_SHAPES.values()), ids=list(_LATE_MAXIMUM_SHAPES))
+def test_nan_at_a_key_that_underflows_against_a_later_maximum(
+    backend: str, shape, dtype: str, request: pytest.FixtureRequest
+) -> None:
+    """A NaN in V at a key whose weight underflows to 0 against the row's maximum, which lies in a
+    later key tile (and key split): the reference weighs every key against the final maximum, so
+    the NaN reaches no output; an online softmax that weighs the early key against the maximum so
+    far gives it a weight above 0 in its own tile, and the NaN stays in the accumulator however
+    small the later rescale."""
+    batch, heads, heads_kv, seq_q, seq_k, early, late = shape
+    if backend.startswith("cuda") and (dtype == "float32" or shape == _LATE_MAXIMUM_SHAPES["decode"]):
+        # The tensor-core forward's second walk starts from the first walk's maxima and passes.  Not
+        # strict: the float16 decode passes in the emulator (why its launch escapes is not known).
+        request.applymarker(
+            pytest.mark.xfail(
+                reason="the GPU float32 forward has no second walk, and the split-KV decode weighs each "
+                "split's keys against that split's maximum (its rerun needs the row's maximum over all "
+                "splits): neither built yet"
+            )
+        )
+    # Scores q.k are k[..., 0] (q[..., 0] = 1, the rest of q and k a perturbation of ~1e-3): about 0
+    # at every key but the early one (far below the others) and the late one (far above).  Weights
+    # in float32 (the half precisions' too) flush below 2^-126 (e^-87.3), float64's below e^-745.
+    low, high = (-700.0, 100.0) if dtype == "float64" else (-60.0, 60.0)
+    rng = np.random.default_rng()
+    element = fastattn._arrays.numpy_dtype(dtype)
+    q = 0.03 * rng.standard_normal((batch, heads, seq_q, 32))
+    k = 0.03 * rng.standard_normal((batch, heads_kv, seq_k, 32))
+    v = rng.standard_normal((batch, heads_kv, seq_k, 32))
+    q[..., 0] = 1.0
+    k[..., 0] = rng.uniform(-1.0, 1.0, (batch, heads_kv, seq_k))
+    k[:, :, early, 0], k[:, :, late, 0] = low, high
+    v[:, :, early, 3] = np.nan
+    q, k, v = (array.astype(element) for array in (q, k, v))
+    reasons = fastattn.explain(q, k, v, scale=1.0).reasons[backend]
+    if reasons:
+        pytest.skip(f"{backend} declines: {reasons}")
+    want = fastattn.attention(q, k, v, scale=1.0, backend="reference")
+    got = fastattn.attention(q, k, v, scale=1.0, backend=backend)
+    assert np.isfinite(to_host(want)).all(), "the reference's weight of the early key must be exactly 0"
+    _assert_same("out", got, want, dtype)

@@ -28,6 +28,8 @@ constexpr float kLn2 = 0.6931471805599453f;
 // -inf and +inf without <cmath>'s INFINITY, which NVRTC does not provide.
 __device__ __forceinline__ float negative_infinity() { return __int_as_float(0xff800000); }
 __device__ __forceinline__ float positive_infinity() { return __int_as_float(0x7f800000); }
+// x is +-inf or NaN (x - x is NaN exactly then; without <cmath>'s isfinite, as above).
+__device__ __forceinline__ bool not_finite(float x) { return x - x != 0.f; }
 
 template <typename Elem> struct Convert;
 template <> struct Convert<float> {

@@ -291,10 +291,14 @@ __device__ __forceinline__ void online_softmax_tile(const float (&s)[KEY_BLOCKS]
 // `tile(masked, exact, kt, stage)` (Flag arguments), the first tile's copy already in flight; at the
 // end the stream's copies have landed and the block is synchronised.  On the tensor cores a weight
 // of 0 times an inf/NaN value (a key hidden from a row but in a tile with keys other rows see:
-// mask, window, the causal diagonal) is NaN, and a NaN stays in the accumulator: so when any
-// accumulator of the block is NaN after the walk, the online softmax starts over and the block
-// walks its keys again with exact products (inputs without inf/NaN never do; a NaN the rule
-// keeps comes out again).
+// mask, window, the causal diagonal) is NaN, and a NaN stays in the accumulator.  And a weight is
+// the reference's exp(s - m) against the row's final maximum m, flushed below the smallest normal
+// float: a key weighed against the maximum so far (the maximum came in a later tile) can get a
+// weight above 0 that the final maximum flushes, and its inf/NaN stays too.  So when any
+// accumulator of the block is not finite after the walk, the sums and accumulators start over
+// from the walk's final maxima, and the block walks its keys again with exact products, every
+// weight against the final maximum (inputs without inf/NaN never do; an inf/NaN the rule keeps
+// comes out again).
 template <int BLOCK_N, int OUT_BLOCKS, typename Stream, typename Tile>
 __device__ __forceinline__ void walk_keys_under_zero_weight_rule(const Stream& stream, int lo, int interior_lo,
                                                                  int interior_hi, int hi, float (&row_max)[2],
@@ -312,9 +316,9 @@ __device__ __forceinline__ void walk_keys_under_zero_weight_rule(const Stream& s
     float probe = 0.f;
 #pragma unroll
     for (int nb = 0; nb < OUT_BLOCKS; ++nb) probe += (acc[nb][0] + acc[nb][1]) + (acc[nb][2] + acc[nb][3]);
-    if (__syncthreads_or(probe != probe)) {
+    if (__syncthreads_or(not_finite(probe))) {
 #pragma unroll
-        for (int r = 0; r < 2; ++r) row_max[r] = negative_infinity(), row_sum[r] = 0.f;
+        for (int r = 0; r < 2; ++r) row_sum[r] = 0.f;
         zero(acc);
         if (lo < hi) stream.load(0, lo);
         cp_async_commit();
