@@ -1245,7 +1245,7 @@ static inline ForwardKernel forward_kernel_of(const FwdParams& p, int64_t rows) 
  * scratch, so every query block of a kv head converted the same tiles again: float16 and bfloat16
  * C1-C5 ran 3-20% slower than float32 (2-core Zen 3, AVX2; after, 2-3% in one process for C1/C2,
  * 0.85-1.14x of float32's time in bench_cpu.py for C1-C5, within that host's noise).  With
- * kValuesByRow, reading V rows in place by row and converting K per tile ran 9-17% slower than
+ * kValuesByRow, reading V rows in place by row and converting K per tile ran 9-18% slower than
  * float32 (2-core Xeon, family 6 model 207, AVX-512: C1, C3, C4; one process, dtypes interleaved);
  * converted once and read as float32 tiles, 0.92-1.07 of float32's time.  Where those items run
  * and a kv head has several query blocks, a pass before the items converts each (b, kv head, key
