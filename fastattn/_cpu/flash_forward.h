@@ -86,15 +86,8 @@ static inline void note_stored(const FwdParams& p, double value) {
     if (!std::isfinite(value)) note_nonfinite(p);
 }
 
-/* Walks of an item's keys: 2 in the rerun that skips zero weights (see above), else 1.  Walk 0 of
- * two covers the keys 0..seq_k; the last walk, the item's own [k_begin, k_end). */
+/* Walks of an item's keys: 2 in the rerun that skips zero weights (see above), else 1. */
 static inline int key_sweeps(const FwdParams& p) { return p.skip_zero_weights ? 2 : 1; }
-static inline void sweep_keys(const FwdParams& p, int sweep, int64_t k_begin, int64_t k_end, int64_t* from,
-                              int64_t* to) {
-    const bool all = sweep + 1 < key_sweeps(p);
-    *from = all ? 0 : k_begin;
-    *to = all ? p.seq_k : k_end;
-}
 
 #if FASTATTN_VECTOR_BYTES == 64
 constexpr int kMainMR = 8;
@@ -434,6 +427,14 @@ static inline void visible_keys(const FwdParams& p, int64_t b, int64_t q0, int64
     if (p.causal) *hi = std::min(*hi, last_pos + 1);
     if (p.window_left >= 0) *lo = std::max(*lo, first_pos - p.window_left);
     if (p.window_right >= 0) *hi = std::min(*hi, last_pos + p.window_right + 1);
+}
+
+/* visible_keys of walk `sweep` of key_sweeps: the first of two covers the keys 0..seq_k (every
+ * split's), the last the item's own [k_begin, k_end). */
+static inline void sweep_visible_keys(const FwdParams& p, int sweep, int64_t b, int64_t q0, int64_t qn,
+                                      int64_t k_begin, int64_t k_end, int64_t* lo, int64_t* hi) {
+    const bool all = sweep + 1 < key_sweeps(p);
+    visible_keys(p, b, q0, qn, all ? 0 : k_begin, all ? p.seq_k : k_end, lo, hi);
 }
 
 /* How many keys of the tile [kt, kt + n), from kt, the rows [first, first + count) of a forward tile
@@ -841,9 +842,8 @@ static void forward_block(const FwdParams& p, T* scratch, int64_t b, int64_t kvh
         /* Each walk from empty sums and accumulators; the rerun's second keeps the first's maxima. */
         std::memset(o, 0, sizeof(T) * Dv * mp);
         std::fill(row_sum, row_sum + mp, T(0));
-        int64_t from, to, lo, hi;
-        sweep_keys(p, sweep, k_begin, k_end, &from, &to);
-        visible_keys(p, b, q0, qn, from, to, &lo, &hi);
+        int64_t lo, hi;
+        sweep_visible_keys(p, sweep, b, q0, qn, k_begin, k_end, &lo, &hi);
 
         for (int64_t kt = lo; kt < hi; kt += N) {
             const int64_t n = std::min(N, hi - kt);
@@ -1332,9 +1332,8 @@ static void forward_heads(const FwdParams& p, char* scratch, const ItemIndex& in
     for (int sweep = 0; sweep < key_sweeps(p); ++sweep) {
         if (sweep > 0)
             for (int64_t g = 0; g < heads; ++g) Kernel::restart(p, *group[g]);
-        int64_t from, to, lo, hi;
-        sweep_keys(p, sweep, k_begin, k_end, &from, &to);
-        visible_keys(p, b, q0, qn, from, to, &lo, &hi);
+        int64_t lo, hi;
+        sweep_visible_keys(p, sweep, b, q0, qn, k_begin, k_end, &lo, &hi);
         for (int64_t kt = lo; kt < hi; kt += N) {
             const int64_t n = std::min(N, hi - kt), next_n = kt + N < hi ? std::min(N, hi - kt - N) : 0;
             const char* k_next = p.k + (b * p.k_stride[0] + first * p.k_stride[1] + (kt + N) * p.k_stride[2]) * element;
@@ -1406,9 +1405,8 @@ static void forward_head(const FwdParams& p, char* scratch, int64_t b, int64_t k
     Kernel::start(p, h, scratch, b, kvh, q0, qn);
     for (int sweep = 0; sweep < key_sweeps(p); ++sweep) {
         if (sweep > 0) Kernel::restart(p, h);
-        int64_t from, to, lo, hi;
-        sweep_keys(p, sweep, k_begin, k_end, &from, &to);
-        visible_keys(p, b, q0, qn, from, to, &lo, &hi);
+        int64_t lo, hi;
+        sweep_visible_keys(p, sweep, b, q0, qn, k_begin, k_end, &lo, &hi);
         for (int64_t kt = lo; kt < hi; kt += N) {
             const int64_t n = std::min(N, hi - kt);
             if (p.mask_kind != MASK_NONE && mask_hides_tile(p, b, kvh, q0, qn, kt, n)) continue;
