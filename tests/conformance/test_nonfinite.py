@@ -18,10 +18,9 @@ from hypothesis import strategies as st
 
 import fastattn
 
-from ._cases import Case, array_module, bhsd_float64, cases, dout_like, make_inputs, to_host
+from ._cases import BACKWARD_TOLERANCE, Case, array_module, bhsd_float64, cases, dout_like, make_inputs, to_host
 
 _POISONS = (np.nan, np.inf, -np.inf)
-_TOLERANCE = {"float64": 1e-9, "float32": 1e-4, "float16": 2e-2, "bfloat16": 2e-2}
 
 
 def _poison(array, rng: np.random.Generator, count: int, device: str):
@@ -41,7 +40,7 @@ def _assert_same(name: str, got, want, dtype: str) -> None:
     finite = np.isfinite(want)
     scale = max(1.0, float(np.abs(want[finite]).max(initial=0.0)))
     error = float(np.abs(got[finite] - want[finite]).max(initial=0.0)) / scale
-    assert error <= _TOLERANCE[dtype], f"{name}: finite entries differ by {error:.3g}"
+    assert error <= BACKWARD_TOLERANCE[dtype], f"{name}: finite entries differ by {error:.3g}"
 
 
 @settings(max_examples=150)

@@ -298,7 +298,8 @@ __device__ __forceinline__ void online_softmax_tile(const float (&s)[KEY_BLOCKS]
 // accumulator of the block is not finite after the walk, the sums and accumulators start over
 // from the walk's final maxima, and the block walks its keys again with exact products, every
 // weight against the final maximum (inputs without inf/NaN never do; an inf/NaN the rule keeps
-// comes out again).
+// comes out again).  A split-KV decode block walks its split's keys only, so there the maximum is
+// the split's, not the row's (README "NaN and infinity": a known gap).
 template <int BLOCK_N, int OUT_BLOCKS, typename Stream, typename Tile>
 __device__ __forceinline__ void walk_keys_under_zero_weight_rule(const Stream& stream, int lo, int interior_lo,
                                                                  int interior_hi, int hi, float (&row_max)[2],
