@@ -431,6 +431,44 @@ template <typename T, typename In> static inline typename Vec<T>::type load_vect
     }
 }
 
+/* Pair order: a row read 2L bfloat16 elements at a time as one vector of L words, whose low halves
+ * are the even elements and whose high halves the odd ones.  Where the other operand of a dot
+ * product (q) and the accumulators of a weighted sum of rows (O) are kept in the same order, each
+ * 2L-element block's even elements first, then its odd ones, the words need no widening: a shift
+ * and a mask make two vectors of floats, 1 instruction per L elements where load_vector takes 2
+ * (a widening shuffle and a shift).  For T = float over bfloat16 rows. */
+template <typename T, typename In> constexpr bool reads_in_pair_order() {
+    return std::is_same<T, float>::value && std::is_same<In, bfloat16_bits>::value;
+}
+
+/* The 2L bfloat16 elements at src as floats: even = src[0], src[2], ...; odd = src[1], src[3], ... */
+template <typename T>
+static inline void load_pair_order(const bfloat16_bits* src, typename Vec<T>::type& even, typename Vec<T>::type& odd) {
+    typedef typename Vec<T>::type V;
+    typedef typename Vec<T>::itype Words;
+    const Words words = vload<Words>(src);
+    even = (V)(words << 16);
+    odd = (V)(words & (int32_t)0xFFFF0000u);
+}
+
+/* row[0 : count] (count a multiple of 2L) from natural order into pair order, or back (`back`). */
+template <typename T> static inline void reorder_pairs(T* row, int64_t count, bool back) {
+    constexpr int L = Vec<T>::lanes;
+    T block[2 * L];
+    for (int64_t c = 0; c < count; c += 2 * L) {
+        std::memcpy(block, row + c, sizeof(block));
+        for (int i = 0; i < L; ++i) {
+            if (back) {
+                row[c + 2 * i] = block[i];
+                row[c + 2 * i + 1] = block[L + i];
+            } else {
+                row[c + i] = block[2 * i];
+                row[c + L + i] = block[2 * i + 1];
+            }
+        }
+    }
+}
+
 /* One vector of T stored as L elements of Out, rounded as Store<Out> rounds one: bfloat16 to
  * nearest even with NaN kept NaN (from_float_bf16's integer steps, lane-wise), float16 by the
  * level's conversion where it has one. */

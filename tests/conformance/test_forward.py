@@ -114,12 +114,27 @@ def test_cpu_decode_every_row_count_matches_oracle(rows: int, dtype: str) -> Non
     its score blocks (4, 2 and 1 rows a block), whole blocks of keys and the one-key-at-a-time rest
     (301 keys, lengths 301 and 77), O in whole vector blocks and a rest (Dv 80), at this level's
     vector width."""
-    case = Case(
-        batch=2, heads_kv=2, group=rows, seq_q=1, seq_k=301, head_dim=64, head_dim_v=80, dtype=dtype,
+    check_forward("cpu", "cpu", _stacked_decode(rows, dtype, head_dim=64, head_dim_v=80))
+
+
+@pytest.mark.parametrize("head_dims", [(64, 64), (64, 80), (96, 68), (32, 128)])
+@pytest.mark.parametrize("rows", range(1, 9))
+def test_cpu_bfloat16_decode_in_and_out_of_pair_order_matches_oracle(rows: int, head_dims: tuple[int, int]) -> None:
+    """The bfloat16 cpu decode reads K and V in pair order (2L elements a load, q and O reordered)
+    where D and Dv are whole pair blocks at the level's width, else widens them as the other dtypes
+    do: 64/64 and 32/128 are pair blocks at every level, 64/80 at avx2 and generic but not avx512,
+    96/68 nowhere."""
+    head_dim, head_dim_v = head_dims
+    check_forward("cpu", "cpu", _stacked_decode(rows, "bfloat16", head_dim=head_dim, head_dim_v=head_dim_v))
+
+
+def _stacked_decode(rows: int, dtype: str, head_dim: int, head_dim_v: int) -> Case:
+    """Sq = 1 with `rows` query heads a kv head, 301 keys (lengths 301 and 77), strided inputs."""
+    return Case(
+        batch=2, heads_kv=2, group=rows, seq_q=1, seq_k=301, head_dim=head_dim, head_dim_v=head_dim_v, dtype=dtype,
         layout="bhsd", causal="bottom_right", window=None, mask_kind=None, mask_shape=None, key_lengths=(301, 77),
         softcap=None, scale=None, strided="strided", seed=int(np.random.default_rng().integers(2**32)),
     )
-    check_forward("cpu", "cpu", case)
 
 
 def test_fully_masked_rows_are_zero_with_minus_inf_lse(backend: str) -> None:
