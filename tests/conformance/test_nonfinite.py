@@ -107,14 +107,20 @@ def test_garbage_in_hidden_keys_never_reaches_a_row(backend: str) -> None:
 
 
 #: (batch, q heads, kv heads, query positions, keys, the early key, the late key): a prefill tile of
-#: rows over three key tiles, and a one-position decode whose keys the cpu backend splits by thread.
-_LATE_MAXIMUM_SHAPES = {"prefill": (1, 2, 2, 40, 300, 5, 250), "decode": (1, 4, 1, 1, 4096, 5, 4000)}
+#: rows over three key tiles; a one-position decode whose keys the cpu backend splits by thread and
+#: the GPU decode by block; and four such rows, which on a one-SM emulated device take one split
+#: each (the GPU decode's warps then hold the two keys in different shares of the tiles).
+_LATE_MAXIMUM_SHAPES = {
+    "prefill": (1, 2, 2, 40, 300, 5, 250),
+    "decode": (1, 4, 1, 1, 4096, 5, 4000),
+    "decode-unsplit": (4, 4, 1, 1, 4096, 5, 4040),
+}
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "bfloat16"])
 @pytest.mark.parametrize("shape", list(_LATE_MAXIMUM_SHAPES.values()), ids=list(_LATE_MAXIMUM_SHAPES))
 def test_nan_at_a_key_that_underflows_against_a_later_maximum(
-    backend: str, shape, dtype: str, request: pytest.FixtureRequest
+    backend: str, shape, dtype: str, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A NaN in V at a key whose weight underflows to 0 against the row's maximum, which lies in a
     later key tile (and key split): the reference weighs every key against the final maximum, so
@@ -122,14 +128,16 @@ def test_nan_at_a_key_that_underflows_against_a_later_maximum(
     far gives it a weight above 0 in its own tile, and the NaN stays in the accumulator however
     small the later rescale."""
     batch, heads, heads_kv, seq_q, seq_k, early, late = shape
-    if backend.startswith("cuda") and (dtype == "float32" or shape == _LATE_MAXIMUM_SHAPES["decode"]):
-        # The tensor-core forward's second walk starts from the first walk's maxima and passes.  Not
-        # strict: these fail in the emulator; on a GPU they have not run yet.
+    if shape == _LATE_MAXIMUM_SHAPES["decode-unsplit"]:
+        monkeypatch.setenv("FASTATTN_EMULATED_SMS", "1")
+    if backend.startswith("cuda") and dtype == "float32":
+        # The tensor-core forward's second walk starts from the first walk's maxima, the tensor-core
+        # decode's from every row's maximum over all splits, and both pass.  Not strict: these fail
+        # in the emulator; on a GPU they have not run yet.
         request.applymarker(
             pytest.mark.xfail(
-                reason="the GPU float32 forward has no second walk, and the split-KV decode weighs each "
-                "split's keys against that split's maximum (its rerun needs the row's maximum over all "
-                "splits): neither built yet"
+                reason="the GPU float32 forward and decode weigh a key against the maximum so far: "
+                "no second walk from the row's final maximum built yet"
             )
         )
     # Scores q.k are k[..., 0] (q[..., 0] = 1, the rest of q and k a perturbation of ~1e-3): in
@@ -156,4 +164,29 @@ def test_nan_at_a_key_that_underflows_against_a_later_maximum(
     want = fastattn.attention(q, k, v, scale=1.0, backend="reference")
     got = fastattn.attention(q, k, v, scale=1.0, backend=backend)
     assert np.isfinite(to_host(want)).all(), "the reference's weight of the early key must be exactly 0"
+    _assert_same("out", got, want, dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "bfloat16"])
+@pytest.mark.parametrize("seq_q", [40, 1], ids=["prefill", "decode"])
+def test_nan_at_a_key_of_tiny_weight_reaches_the_row(backend: str, seq_q: int, dtype: str) -> None:
+    """A NaN in V at a key weighing ~e^-21 against the row's maximum (in the same key tile): the
+    weight is above float32's flush (e^-87.3), so the NaN reaches every row, as in the reference,
+    even where the kernel rounds P to float16, whose smallest weight is 2^-24 (~e^-16.6)."""
+    rng = np.random.default_rng()
+    element = fastattn._arrays.numpy_dtype(dtype)
+    q = 0.03 * rng.standard_normal((1, 2, seq_q, 32))
+    k = 0.03 * rng.standard_normal((1, 2, 64, 32))
+    v = rng.standard_normal((1, 2, 64, 32))
+    q[..., 0] = 1.0  # scores ~ k[..., 0]: in [-1, 1] but at the tiny key
+    k[..., 0] = rng.uniform(-1.0, 1.0, (1, 2, 64))
+    k[:, :, 5, 0] = -20.0
+    v[:, :, 5, 3] = np.nan
+    q, k, v = (array.astype(element) for array in (q, k, v))
+    reasons = fastattn.explain(q, k, v, scale=1.0).reasons[backend]
+    if reasons:
+        pytest.skip(f"{backend} declines: {reasons}")
+    want = fastattn.attention(q, k, v, scale=1.0, backend="reference")
+    got = fastattn.attention(q, k, v, scale=1.0, backend=backend)
+    assert np.isnan(to_host(want)[..., 3]).all(), "the reference must carry the tiny key's NaN to every row"
     _assert_same("out", got, want, dtype)

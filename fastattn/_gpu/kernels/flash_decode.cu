@@ -199,9 +199,51 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) flash_decode(const __grid_c
         __syncthreads();  // this stage is overwritten by the prefetch of the tile after next
     };
 
+    // Before a second walk (an output not finite), every row's maximum over all of its keys: a warp's
+    // maxima cover its share of its split's keys, the reference weighs against the row's.  A walk of
+    // the scores alone over the row's whole key range (every tile masked: this path is rare), then
+    // the maxima over the quad and the warps through the idle stages.
+    auto row_maxima = [&] {
+        int first, last;
+        p.rules.key_range(b, p.seq_k, 0, seq_q - 1, &first, &last);
+        const KeyValueStream<Elem, HEAD_DIM, kBlockN, kDecodeThreads> every_key{p, stages, b, kvh, last};
+        if (first < last) every_key.load(0, first);
+        cp_async_commit();
+        int stage = 0;
+        for (int kt = first; kt < last; kt += kBlockN, stage ^= 1) {
+            every_key.next(kt, stage);
+            float s[kKeyBlocks][4];
+            zero(s);
+            warp_product_nt<Elem, HEAD_DIM, kKeyBlocks>(s, q_tile, every_key.k_tile(stage) + warp * kWarpKeys * kRow,
+                                                        kRow, lane);
+            rule.template tile_log2_scores<true, SOFTCAP>(s, b, heads, positions, kt + warp * kWarpKeys + pair, last);
+#pragma unroll
+            for (int nb = 0; nb < kKeyBlocks; ++nb)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) row_max[e / 2] = fmaxf(row_max[e / 2], s[nb][e]);
+            __syncthreads();
+        }
+        cp_async_wait<0>();
+        __syncthreads();
+        float* maxima = reinterpret_cast<float*>(stages);  // [warps][kRows]
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            row_max[r] = fmaxf(row_max[r], __shfl_xor_sync(0xffffffff, row_max[r], 1));
+            row_max[r] = fmaxf(row_max[r], __shfl_xor_sync(0xffffffff, row_max[r], 2));
+            if (lane % 4 == 0) maxima[warp * kRows + group_id + 8 * r] = row_max[r];
+        }
+        __syncthreads();
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+#pragma unroll
+            for (int w = 0; w < kDecodeWarps; ++w) row_max[r] = fmaxf(row_max[r], maxima[w * kRows + group_id + 8 * r]);
+        __syncthreads();  // the stages are loaded again next
+    };
+
     // Edge tiles (window start), interior tiles, edge tiles (diagonal, key_lengths, split end); then
     // the stages become the merge buffer.
-    walk_keys_under_zero_weight_rule<kBlockN>(stream, lo, interior_lo, interior_hi, hi, row_max, row_sum, acc, tile);
+    walk_keys_under_zero_weight_rule<kBlockN>(stream, lo, interior_lo, interior_hi, hi, row_max, row_sum, acc, tile,
+                                              row_maxima);
 
     // Each warp's rows: statistics (row sums over the quad) and its unnormalised output.
 #pragma unroll

@@ -103,7 +103,8 @@ __global__ void __launch_bounds__(kWarps * 32, 2) flash_forward(const __grid_con
 
     // Edge tiles (window start), interior tiles, edge tiles (diagonal, key_lengths, sequence end);
     // then every thread's copies into the Q tile have landed (also in a block with no key tile).
-    walk_keys_under_zero_weight_rule<BLOCK_N>(stream, lo, interior_lo, interior_hi, hi, row_max, row_sum, acc, tile);
+    walk_keys_under_zero_weight_rule<BLOCK_N>(stream, lo, interior_lo, interior_hi, hi, row_max, row_sum, acc, tile,
+                                              [] {});
 
     // Normalise into this warp's own rows of the Q tile (no warp reads Q any more), then write out
     // as whole rows, 16 bytes a lane and store (FlashAttention-2 stages O the same way), and lse in

@@ -21,6 +21,9 @@ template <typename Elem> constexpr int kChunk = 16 / static_cast<int>(sizeof(Ele
 
 template <typename Elem> struct Pack;
 template <> struct Pack<__half> {
+    // The smallest weight a packed P keeps above 0: float16's smallest subnormal, 2^-24 (float32
+    // weights reach down to 2^-126; bfloat16 keeps every one of them, so its value is 0: no floor).
+    static constexpr float kSmallestWeight = 5.9604645e-8f;
     static __device__ __forceinline__ unsigned int two(float lo, float hi) {
         __half2 v = __floats2half2_rn(lo, hi);
         return *reinterpret_cast<unsigned int*>(&v);
@@ -34,6 +37,7 @@ template <> struct Pack<__half> {
     }
 };
 template <> struct Pack<__nv_bfloat16> {
+    static constexpr float kSmallestWeight = 0.f;
     static __device__ __forceinline__ unsigned int two(float lo, float hi) {
         __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
         return *reinterpret_cast<unsigned int*>(&v);
@@ -244,7 +248,10 @@ template <int N_BLOCKS> __device__ __forceinline__ void zero(float (&c)[N_BLOCKS
 // rescale the output accumulator, and pack P = exp2(score - max) as the A fragments of P V.
 // `weigh(nb, prob)` may change key block nb's four probabilities after they entered the row sum
 // (dropout: lse and the normaliser stay undropped).  EXACT: the rescale by weighted_add's rule (a
-// rescale of 0 clears an inf/NaN output; see exact_product_registers).
+// rescale of 0 clears an inf/NaN output; see exact_product_registers), and a weight above 0 that
+// float16 would round to 0 packs as float16's smallest (Pack::kSmallestWeight), so that the exact
+// products skip only the weights that are 0 in float32, as the reference does (a NaN/inf in the V
+// row of a key weighing ~1e-9 reaches the row; the floor adds at most 6e-8 |V| where V is finite).
 template <typename Elem, bool RAW, bool EXACT = false, int KEY_BLOCKS, int OUT_BLOCKS, typename Weigh>
 __device__ __forceinline__ void online_softmax_tile(const float (&s)[KEY_BLOCKS][4], float scale_log2,
                                                     float (&row_max)[2], float (&row_sum)[2],
@@ -280,6 +287,10 @@ __device__ __forceinline__ void online_softmax_tile(const float (&s)[KEY_BLOCKS]
             row_sum[e / 2] += prob[e];
         }
         weigh(nb, prob);
+        if constexpr (EXACT)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                if (prob[e] > 0.f && prob[e] < Pack<Elem>::kSmallestWeight) prob[e] = Pack<Elem>::kSmallestWeight;
         // S accumulators (m16n8) -> A fragment (m16k16) of P: block 2t fills a0/a1, 2t+1 a2/a3.
         probs[nb / 2][(nb % 2) * 2 + 0] = Pack<Elem>::two(prob[0], prob[1]);
         probs[nb / 2][(nb % 2) * 2 + 1] = Pack<Elem>::two(prob[2], prob[3]);
@@ -298,13 +309,15 @@ __device__ __forceinline__ void online_softmax_tile(const float (&s)[KEY_BLOCKS]
 // accumulator of the block is not finite after the walk, the sums and accumulators start over
 // from the walk's final maxima, and the block walks its keys again with exact products, every
 // weight against the final maximum (inputs without inf/NaN never do; an inf/NaN the rule keeps
-// comes out again).  A split-KV decode block walks its split's keys only, so there the maximum is
-// the split's, not the row's (README "NaN and infinity": a known gap).
-template <int BLOCK_N, int OUT_BLOCKS, typename Stream, typename Tile>
+// comes out again).  Before the second walk `settle()` may raise the maxima to the row's over keys
+// the block's first walk did not weigh in this thread: the forward's warps see every key of their
+// rows (nothing to do); a decode warp sees its share of its split's keys (flash_decode's
+// row_maxima).
+template <int BLOCK_N, int OUT_BLOCKS, typename Stream, typename Tile, typename Settle>
 __device__ __forceinline__ void walk_keys_under_zero_weight_rule(const Stream& stream, int lo, int interior_lo,
                                                                  int interior_hi, int hi, float (&row_max)[2],
                                                                  float (&row_sum)[2], float (&acc)[OUT_BLOCKS][4],
-                                                                 Tile tile) {
+                                                                 Tile tile, Settle settle) {
     auto walk = [&](auto exact) {
         int kt = lo, stage = 0;
         for (; kt < interior_lo; kt += BLOCK_N, stage ^= 1) tile(Flag<true>{}, exact, kt, stage);
@@ -321,6 +334,7 @@ __device__ __forceinline__ void walk_keys_under_zero_weight_rule(const Stream& s
 #pragma unroll
         for (int r = 0; r < 2; ++r) row_sum[r] = 0.f;
         zero(acc);
+        settle();
         if (lo < hi) stream.load(0, lo);
         cp_async_commit();
         walk(Flag<true>{});
