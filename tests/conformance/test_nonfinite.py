@@ -127,7 +127,7 @@ def test_nan_at_a_key_that_underflows_against_a_later_maximum(
     the NaN reaches no output; an online softmax that weighs the early key against the maximum so
     far gives it a weight above 0 in its own tile, and the NaN stays in the accumulator however
     small the later rescale."""
-    batch, heads, heads_kv, seq_q, seq_k, early, late = shape
+    early, late = shape[5:]
     if shape == _LATE_MAXIMUM_SHAPES["decode-unsplit"]:
         monkeypatch.setenv("FASTATTN_EMULATED_SMS", "1")
     if backend.startswith("cuda") and dtype == "float32":
@@ -140,29 +140,14 @@ def test_nan_at_a_key_that_underflows_against_a_later_maximum(
                 "no second walk from the row's final maximum built yet"
             )
         )
-    # Scores q.k are k[..., 0] (q[..., 0] = 1, the rest of q and k a perturbation of ~1e-3): in
-    # [-1, 1] at every key but the early one (far below the others) and the late one (far above).
-    # Weights in float32 (the half precisions' too) flush below 2^-126 (e^-87.3), float64's below
+    # Scores in [-1, 1] at every key but the early one (far below the others) and the late one (far
+    # above).  Weights in float32 (the half precisions' too) flush below 2^-126 (e^-87.3), float64's below
     # e^-745.  Below float64: against its own tile's maximum (~1) the early key weighs ~e^-12, above
     # 0 even in float16 (the GPU kernels round P to the input type: at -60 float16 flushed it to 0,
     # so the flaw could not show); against the late key, e^-92, flushed; and the rescale of the early
     # tile's accumulator by ~e^-80 is not flushed, so a NaN kept there is not cleared by a factor 0.
     low, high = (-700.0, 100.0) if dtype == "float64" else (-11.0, 81.0)
-    rng = np.random.default_rng()
-    element = fastattn._arrays.numpy_dtype(dtype)
-    q = 0.03 * rng.standard_normal((batch, heads, seq_q, 32))
-    k = 0.03 * rng.standard_normal((batch, heads_kv, seq_k, 32))
-    v = rng.standard_normal((batch, heads_kv, seq_k, 32))
-    q[..., 0] = 1.0
-    k[..., 0] = rng.uniform(-1.0, 1.0, (batch, heads_kv, seq_k))
-    k[:, :, early, 0], k[:, :, late, 0] = low, high
-    v[:, :, early, 3] = np.nan
-    q, k, v = (array.astype(element) for array in (q, k, v))
-    reasons = fastattn.explain(q, k, v, scale=1.0).reasons[backend]
-    if reasons:
-        pytest.skip(f"{backend} declines: {reasons}")
-    want = fastattn.attention(q, k, v, scale=1.0, backend="reference")
-    got = fastattn.attention(q, k, v, scale=1.0, backend=backend)
+    got, want = _attend_with_set_scores(backend, shape[:5], dtype, {early: low, late: high}, nan_key=early)
     assert np.isfinite(to_host(want)).all(), "the reference's weight of the early key must be exactly 0"
     _assert_same("out", got, want, dtype)
 
@@ -173,20 +158,33 @@ def test_nan_at_a_key_of_tiny_weight_reaches_the_row(backend: str, seq_q: int, d
     """A NaN in V at a key weighing ~e^-21 against the row's maximum (in the same key tile): the
     weight is above float32's flush (e^-87.3), so the NaN reaches every row, as in the reference,
     even where the kernel rounds P to float16, whose smallest weight is 2^-24 (~e^-16.6)."""
+    got, want = _attend_with_set_scores(backend, (1, 2, 2, seq_q, 64), dtype, {5: -20.0}, nan_key=5)
+    assert np.isnan(to_host(want)[..., 3]).all(), "the reference must carry the tiny key's NaN to every row"
+    _assert_same("out", got, want, dtype)
+
+
+def _attend_with_set_scores(
+    backend: str, shape: tuple[int, ...], dtype: str, scores: dict[int, float], nan_key: int
+) -> tuple:
+    """(backend's out, reference's out) of (batch, q heads, kv heads, query positions, keys) = shape,
+    head_dim 32, scale 1, whose scores q.k are k[..., 0] (q[..., 0] = 1, the rest of q and k a
+    perturbation of ~1e-3): uniform in [-1, 1] but at the keys of `scores` (key: score); a NaN in V
+    at nan_key, column 3.  Skips where the backend declines."""
+    batch, heads, heads_kv, seq_q, seq_k = shape
     rng = np.random.default_rng()
+    q = 0.03 * rng.standard_normal((batch, heads, seq_q, 32))
+    k = 0.03 * rng.standard_normal((batch, heads_kv, seq_k, 32))
+    v = rng.standard_normal((batch, heads_kv, seq_k, 32))
+    q[..., 0] = 1.0
+    k[..., 0] = rng.uniform(-1.0, 1.0, (batch, heads_kv, seq_k))
+    for key, score in scores.items():
+        k[:, :, key, 0] = score
+    v[:, :, nan_key, 3] = np.nan
     element = fastattn._arrays.numpy_dtype(dtype)
-    q = 0.03 * rng.standard_normal((1, 2, seq_q, 32))
-    k = 0.03 * rng.standard_normal((1, 2, 64, 32))
-    v = rng.standard_normal((1, 2, 64, 32))
-    q[..., 0] = 1.0  # scores ~ k[..., 0]: in [-1, 1] but at the tiny key
-    k[..., 0] = rng.uniform(-1.0, 1.0, (1, 2, 64))
-    k[:, :, 5, 0] = -20.0
-    v[:, :, 5, 3] = np.nan
     q, k, v = (array.astype(element) for array in (q, k, v))
     reasons = fastattn.explain(q, k, v, scale=1.0).reasons[backend]
     if reasons:
         pytest.skip(f"{backend} declines: {reasons}")
-    want = fastattn.attention(q, k, v, scale=1.0, backend="reference")
-    got = fastattn.attention(q, k, v, scale=1.0, backend=backend)
-    assert np.isnan(to_host(want)[..., 3]).all(), "the reference must carry the tiny key's NaN to every row"
-    _assert_same("out", got, want, dtype)
+    return fastattn.attention(q, k, v, scale=1.0, backend=backend), fastattn.attention(
+        q, k, v, scale=1.0, backend="reference"
+    )
