@@ -445,10 +445,10 @@ template <typename T, typename In> constexpr bool reads_in_pair_order() {
 template <typename T>
 static inline void load_pair_order(const bfloat16_bits* src, typename Vec<T>::type& even, typename Vec<T>::type& odd) {
     typedef typename Vec<T>::type V;
-    typedef typename Vec<T>::itype Words;
+    typedef uint32_t Words __attribute__((vector_size(FASTATTN_VECTOR_BYTES)));
     const Words words = vload<Words>(src);
     even = (V)(words << 16);
-    odd = (V)(words & (int32_t)0xFFFF0000u);
+    odd = (V)(words & 0xFFFF0000u);
 }
 
 /* row[0 : count] (count a multiple of 2L) from natural order into pair order, or back (`back`). */
