@@ -15,8 +15,8 @@
  *   O[c][rows] += sum_j V[j][c] * P[j][rows]     (micro-kernel: MR columns x RB rows, V[j][c]
  *                                                  broadcast, P row loaded; V in the compute type,
  *                                                  float16/bfloat16 tiles converted into scratch)
- * or, with 32 vector registers, for tiles of one row block and half-precision inputs read in place
- * (not converted once: one query block per kv head), by row:
+ * or, with 32 vector registers, for tiles of one row block not converted once (one query block
+ * per kv head, or float32), by row:
  *   O[r][c:c+CB*L] += sum_j P[j][r] * V[j][c:c+CB*L]   (add_weighted_values: R = 8 rows x CB = 2
  *                                                       vectors, P[j][r] broadcast, V row loaded)
  * which reads V rows where they lie, converted in registers once per 8 rows: no converted V tile,
@@ -816,14 +816,15 @@ static void forward_block(const FwdParams& p, T* scratch, int64_t b, int64_t kvh
     const int64_t rows = G * qn;
     const int64_t mp = round_up(rows, RB), value_rows = round_up(rows, kValueRows);
     const bool skip = p.skip_zero_weights != 0;
-    /* O by row (add_weighted_values) for float16/bfloat16 inputs, whose V it reads without a
-     * converted copy, and for tiles of one row block; O[c][rows] (Blocked::pv_all) for larger tiles
-     * of the compute type, where by row was 6-8% slower (2-core Zen 5: fp32 C3, C5 and the Sq=16
-     * decode with 64 rows; its 8 row passes per column block fetch the V tile from L2 more often
-     * than the 2 row blocks of rows-as-lanes), and for K and V converted once per call, which this
-     * reads as float32 tiles. */
-    const bool o_by_row =
-        kValuesByRow && !KvTile<T, In>::converted_once(p) && (!std::is_same<T, In>::value || mp == RB);
+    /* O by row (add_weighted_values) for tiles of one row block, reading float16/bfloat16 V rows
+     * where they lie; O[c][rows] (Blocked::pv_all) for larger tiles, where by row was 6-8% slower
+     * for float32 (2-core Zen 5: C3, C5 and the Sq=16 decode with 64 rows; its 8 row passes per
+     * column block fetch the V tile from L2 more often than the 2 row blocks of rows-as-lanes) and
+     * 8-9% slower for float16/bfloat16, which it also widens once per pass (2-core Xeon model 207:
+     * B2 Sq16 decodes, 64 rows, converted V tiles 8.8 against 9.7 ms bfloat16, 8.6 against 9.3
+     * float16, best of 5 processes), and for K and V converted once per call, which this reads as
+     * float32 tiles. */
+    const bool o_by_row = kValuesByRow && !KvTile<T, In>::converted_once(p) && mp == RB;
 
     T* qp = scratch;
     T* s = qp + mp * D;
