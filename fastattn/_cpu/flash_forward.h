@@ -353,8 +353,8 @@ template <typename T, int NV, int MR = kMainMR> struct Blocked {
  * output vectors in registers while the n value rows stream past once, converted to T as they are
  * loaded (Pairs: read in pair order, load_pair_order, so o's columns are in pair order too).  Skip
  * leaves out weights that are exactly 0 (the rerun after a non-finite output, note_stored): a test
- * per weight, which the usual pass does not pay. */
-template <typename T, typename In, int R, int CB, bool Skip, bool Pairs, typename Between>
+ * per weight, which the usual pass does not pay.  between(Share) before every Share-th value row. */
+template <typename T, typename In, int R, int CB, bool Skip, bool Pairs, int Share, typename Between>
 static inline void accumulate_pv(T* o, int64_t o_stride, const T* s, int64_t s_row, int64_t s_key, const In* v,
                                  int64_t v_stride, int64_t n, Between&& between) {
     typedef typename Vec<T>::type V;
@@ -363,7 +363,7 @@ static inline void accumulate_pv(T* o, int64_t o_stride, const T* s, int64_t s_r
     FASTATTN_UNROLL for (int r = 0; r < R; ++r)
         FASTATTN_UNROLL for (int cb = 0; cb < CB; ++cb) acc[r][cb] = vload<V>(o + r * o_stride + cb * L);
     for (int64_t j = 0; j < n; ++j) {
-        between(1);
+        if (j % Share == 0) between(Share);
         const In* value = v + j * v_stride;
         const T* weights = s + j * s_key;
         V vv[CB];
@@ -395,20 +395,20 @@ template <typename T, int CB> constexpr int64_t value_passes(int64_t Dv) {
 
 /* O[r][:] += sum_j P[r][j] V[j][:] for R rows over all Dv columns (row r of O at o + r * Dv, P as in
  * accumulate_pv): blocks of CB vectors of columns, the rest in blocks of CB / 2, ..., one vector,
- * then element by element.  between(1) before each value row of each vector pass (value_passes).
- * Pairs (pair order, Dv a multiple of 2L) stops at blocks of two vectors. */
-template <typename T, typename In, int R, int CB, bool Pairs = false, typename Between>
+ * then element by element.  between(Share) before every Share-th value row of each vector pass
+ * (value_passes).  Pairs (pair order, Dv a multiple of 2L) stops at blocks of two vectors. */
+template <typename T, typename In, int R, int CB, bool Pairs = false, int Share = 1, typename Between>
 static void add_weighted_values(T* o, int64_t Dv, const T* s, int64_t s_row, int64_t s_key, const In* v,
                                 int64_t v_stride, int64_t n, bool skip, Between&& between, int64_t c = 0) {
     constexpr int L = Vec<T>::lanes;
     for (; c + CB * L <= Dv; c += CB * L) {
         if (skip)
-            accumulate_pv<T, In, R, CB, true, Pairs>(o + c, Dv, s, s_row, s_key, v + c, v_stride, n, between);
+            accumulate_pv<T, In, R, CB, true, Pairs, Share>(o + c, Dv, s, s_row, s_key, v + c, v_stride, n, between);
         else
-            accumulate_pv<T, In, R, CB, false, Pairs>(o + c, Dv, s, s_row, s_key, v + c, v_stride, n, between);
+            accumulate_pv<T, In, R, CB, false, Pairs, Share>(o + c, Dv, s, s_row, s_key, v + c, v_stride, n, between);
     }
     if constexpr (CB > (Pairs ? 2 : 1)) {
-        add_weighted_values<T, In, R, CB / 2, Pairs>(o, Dv, s, s_row, s_key, v, v_stride, n, skip, between, c);
+        add_weighted_values<T, In, R, CB / 2, Pairs, Share>(o, Dv, s, s_row, s_key, v, v_stride, n, skip, between, c);
     } else if constexpr (!Pairs) {
         for (int64_t j = 0; c < Dv && j < n; ++j) {
             const In* value = v + j * v_stride;
@@ -560,6 +560,11 @@ constexpr bool kValuesByRow = true;
 constexpr bool kValuesByRow = false;
 #endif
 constexpr int kValueRows = 8, kValueVectors = 2;
+/* Value rows a share of the spread prefetch covers in forward_block's P.V: a share a row put the
+ * walk's instructions beside every 16 FMAs.  2-core Xeon model 207, B1 Sq4 decodes (16 rows, in
+ * cache), best of 9 processes: bfloat16 1.430 -> 1.376 ms, float16 1.407 -> 1.326, float32 1.410 ->
+ * 1.362; 8 rows a share 1.385, 1.349, 1.340.  Streamed from memory (B8), within the noise. */
+constexpr int kValueShare = 4;
 
 /* Whether a level may convert float16/bfloat16 K and V once per call (converts_kv_once): all but
  * the AMX level, where packed_kv holds bfloat16 V^T tiles instead. */
@@ -925,7 +930,7 @@ static void forward_block(const FwdParams& p, T* scratch, int64_t b, int64_t kvh
             if (o_by_row) {
                 auto issue = [&](int64_t steps) __attribute__((always_inline)) { ahead.issue(lines_per_value_call * steps); };
                 for (int64_t r = 0; r < value_rows; r += kValueRows)
-                    add_weighted_values<T, In, kValueRows, kValueVectors>(
+                    add_weighted_values<T, In, kValueRows, kValueVectors, false, kValueShare>(
                         o + r * Dv, Dv, s + r, 1, mp, v_rows, p.v_stride[2],
                         row_block_keys(p, q0, qn, rows, r, kValueRows, kt, n), skip, issue);
             } else {
