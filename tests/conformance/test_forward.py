@@ -128,10 +128,20 @@ def test_cpu_bfloat16_decode_in_and_out_of_pair_order_matches_oracle(rows: int, 
     check_forward("cpu", "cpu", _stacked_decode(rows, "bfloat16", head_dim=head_dim, head_dim_v=head_dim_v))
 
 
-def _stacked_decode(rows: int, dtype: str, head_dim: int, head_dim_v: int) -> Case:
-    """Sq = 1 with `rows` query heads a kv head, 301 keys (lengths 301 and 77), strided inputs."""
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize(("group", "seq_q"), [(4, 4), (8, 3), (16, 3)])
+def test_cpu_decode_of_several_positions_matches_oracle(group: int, seq_q: int, dtype: str) -> None:
+    """A decode of 3-4 positions with 16, 24 and 48 stacked rows a kv head (one query block): at
+    the 32-register levels one row block keeps O by row and reads V rows where they lie, two row
+    blocks convert half-precision V tiles for the transposed P.V."""
+    check_forward("cpu", "cpu", _stacked_decode(group, dtype, head_dim=128, head_dim_v=80, seq_q=seq_q))
+
+
+def _stacked_decode(rows: int, dtype: str, head_dim: int, head_dim_v: int, seq_q: int = 1) -> Case:
+    """`seq_q` positions (1: Sq = 1) with `rows` query heads a kv head, 301 keys (lengths 301 and
+    77), bottom-right causal, strided inputs."""
     return Case(
-        batch=2, heads_kv=2, group=rows, seq_q=1, seq_k=301, head_dim=head_dim, head_dim_v=head_dim_v, dtype=dtype,
+        batch=2, heads_kv=2, group=rows, seq_q=seq_q, seq_k=301, head_dim=head_dim, head_dim_v=head_dim_v, dtype=dtype,
         layout="bhsd", causal="bottom_right", window=None, mask_kind=None, mask_shape=None, key_lengths=(301, 77),
         softcap=None, scale=None, strided="strided", seed=int(np.random.default_rng().integers(2**32)),
     )
