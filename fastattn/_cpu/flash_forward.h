@@ -27,10 +27,13 @@
  * or 4 x 3 blocks) 8-35% slower everywhere (forward_block's o_by_row).  K is read in place when the
  * input is the compute type; float16/bfloat16 K and V are converted once per call for all query
  * blocks where a kv head has several (converts_kv_once), else K tiles are converted into scratch
- * (the decode path, DotKernel, converts K and V in registers; bfloat16 rows in pair order,
- * load_pair_order, one instruction per vector where widening takes two: C6 bfloat16 on a 2-core
- * Xeon model 207, ~5% faster by the best of 9 calls, the decode's arithmetic being what its memory
- * stream waits for).
+ * (the decode path, DotKernel, converts K and V in registers).  bfloat16 rows whose D and Dv are
+ * pair blocks are read in pair order by the decode and by forward_block's O-by-row tiles
+ * (load_pair_order, reads_kv_in_pairs: one instruction per vector where widening takes two, q or
+ * Qp's depths and O's columns held in that order).  On a 2-core Xeon model 207: C6 bfloat16 ~5%
+ * faster by the best of 9 calls, the decode's arithmetic being what its memory stream waits for;
+ * 16-row decodes (B1 Sq4, in cache) 1.338 -> 1.252 ms by the best of 11 processes, streamed (B8)
+ * 12.48 -> 11.85 ms by the best of 9.
  *
  * Tile sizes: RB = 2 vectors of rows (32 floats with AVX-512, 16 with AVX2), 1 vector when the
  * tile has that few rows (decode); MR = 8 (AVX-512, 32 registers: 16 accumulators) or 6 (AVX2,
@@ -550,6 +553,14 @@ static void dropout_tile(const FwdParams& p, T* tile, int64_t key_stride, int64_
 
 /* ---- K and V tiles ---------------------------------------------------------------------------- */
 
+/* Whether K and V may be read in pair order (load_pair_order), q (Qp's depths) and O held in it:
+ * bfloat16 rows whose D and Dv are whole pair blocks (2L elements).  The decode (DotKernel) does
+ * where this holds, forward_block where it also keeps O by row. */
+template <typename T, typename In> static inline bool reads_kv_in_pairs(const FwdParams& p) {
+    constexpr int64_t block = 2 * Vec<T>::lanes;
+    return reads_in_pair_order<T, In>() && p.head_dim % block == 0 && p.head_dim_v % block == 0;
+}
+
 /* forward_block keeps O by row (add_weighted_values, blocks of kValueRows rows x kValueVectors
  * vectors of columns in registers) with 32 vector registers (AVX-512) only.  With 16 the blocks
  * are 4 x 2 or 4 x 3, and those ran 8-12% and ~35% slower than the rows-as-lanes P.V (the AVX2
@@ -598,13 +609,15 @@ template <typename T, typename In> struct KvTile {
         return kConvertsKvOnce && !std::is_same<T, In>::value && p.packed_kv != nullptr;
     }
 
-    void load_keys(const FwdParams& p, int64_t b, int64_t kvh, int64_t kt, int64_t n, T* k_converted) {
+    /* pairs: K rows converted in pair order (reads_kv_in_pairs). */
+    void load_keys(const FwdParams& p, int64_t b, int64_t kvh, int64_t kt, int64_t n, T* k_converted,
+                   bool pairs = false) {
         if (converted_once(p)) {
             k = converted_keys<T>(p, b, kvh) + kt * p.head_dim;
             k_stride = p.head_dim;
             return;
         }
-        k = rows(p.k, p.k_stride, p.head_dim, b, kvh, kt, n, k_converted, &k_stride);
+        k = rows(p.k, p.k_stride, p.head_dim, b, kvh, kt, n, k_converted, &k_stride, pairs);
     }
     void load(const FwdParams& p, int64_t b, int64_t kvh, int64_t kt, int64_t n, T* k_converted, T* v_converted) {
         load_keys(p, b, kvh, kt, n, k_converted);
@@ -632,12 +645,19 @@ template <typename T, typename In> struct KvTile {
   private:
     /* n rows of `width` elements from key kt of (b, kvh) in `base`, where they lie or converted. */
     static const T* rows(const char* base, const int64_t* stride, int64_t width, int64_t b, int64_t kvh, int64_t kt,
-                         int64_t n, T* converted, int64_t* row_stride) {
+                         int64_t n, T* converted, int64_t* row_stride, bool pairs = false) {
         const In* first = at<In>(base, b * stride[0] + kvh * stride[1] + kt * stride[2]);
         if constexpr (std::is_same<T, In>::value) {
             *row_stride = stride[2];
             return first;
         } else {
+            if constexpr (reads_in_pair_order<T, In>()) {
+                if (pairs) {
+                    for (int64_t j = 0; j < n; ++j) convert_row_in_pairs(first + j * stride[2], converted + j * width, width);
+                    *row_stride = width;
+                    return converted;
+                }
+            }
             for (int64_t j = 0; j < n; ++j) convert_row(first + j * stride[2], converted + j * width, width);
             *row_stride = width;
             return converted;
@@ -664,6 +684,20 @@ static inline void pack_rows(const In* const* src, T scale, int64_t D, T* dst, i
     }
     for (; d0 < D; ++d0)
         for (int u = 0; u < L; ++u) dst[d0 * stride + u] = src[u] ? scale * load_as<T>(src[u][d0]) : T(0);
+}
+
+/* The depths of one row block of Qp ([D][RB], RB <= 2L) into pair order, the order of K rows read
+ * in pair order: in each 2L-depth block the even depths first, then the odd ones. */
+template <typename T> static inline void reorder_pair_depths(T* qp, int64_t D, int64_t RB) {
+    constexpr int L = Vec<T>::lanes;
+    T block[2 * L * 2 * L];
+    for (int64_t c = 0; c < D; c += 2 * L) {
+        std::memcpy(block, qp + c * RB, sizeof(T) * 2 * L * RB);
+        for (int i = 0; i < L; ++i) {
+            std::memcpy(qp + (c + i) * RB, block + 2 * i * RB, sizeof(T) * RB);
+            std::memcpy(qp + (c + L + i) * RB, block + (2 * i + 1) * RB, sizeof(T) * RB);
+        }
+    }
 }
 
 /* rows[u * n + c] = columns[c * stride + u] for L = lanes rows u and n columns: pack_rows' way
@@ -830,6 +864,9 @@ static void forward_block(const FwdParams& p, T* scratch, int64_t b, int64_t kvh
      * float16, best of 5 processes), and for K and V converted once per call, which this reads as
      * float32 tiles. */
     const bool o_by_row = kValuesByRow && !KvTile<T, In>::converted_once(p) && mp == RB;
+    /* bfloat16 K and V rows by row in pair order (1 instruction per L elements where widening takes
+     * 2), Qp's depths and O's columns held in it. */
+    const bool pairs = o_by_row && reads_kv_in_pairs<T, In>(p);
 
     T* qp = scratch;
     T* s = qp + mp * D;
@@ -853,6 +890,7 @@ static void forward_block(const FwdParams& p, T* scratch, int64_t b, int64_t kvh
         }
         pack_rows<T, In>(src, scale, D, qp + (r0 / RB) * D * RB + r0 % RB, RB);
     }
+    if (pairs) reorder_pair_depths(qp, D, RB);
 
     for (int sweep = 0; sweep < key_sweeps(p); ++sweep) {
         /* Each walk from empty sums and accumulators; the rerun's second keeps the first's maxima. */
@@ -866,7 +904,7 @@ static void forward_block(const FwdParams& p, T* scratch, int64_t b, int64_t kvh
             if (p.mask_kind != MASK_NONE && mask_hides_tile(p, b, kvh, q0, qn, kt, n)) continue;
             KvTile<T, In> tile;
             if (o_by_row)
-                tile.load_keys(p, b, kvh, kt, n, k_converted);
+                tile.load_keys(p, b, kvh, kt, n, k_converted, pairs);
             else
                 tile.load(p, b, kvh, kt, n, k_converted, v_converted);
             const In* v_rows = at<In>(p.v, b * p.v_stride[0] + kvh * p.v_stride[1] + kt * p.v_stride[2]);
@@ -929,10 +967,18 @@ static void forward_block(const FwdParams& p, T* scratch, int64_t b, int64_t kvh
             if (p.dropout_p > 0) dropout_tile<T>(p, s, mp, 1, rows, n, kt, b, kvh, q0, qn, false);
             if (o_by_row) {
                 auto issue = [&](int64_t steps) __attribute__((always_inline)) { ahead.issue(lines_per_value_call * steps); };
-                for (int64_t r = 0; r < value_rows; r += kValueRows)
+                for (int64_t r = 0; r < value_rows; r += kValueRows) {
+                    const int64_t keys = row_block_keys(p, q0, qn, rows, r, kValueRows, kt, n);
+                    if constexpr (reads_in_pair_order<T, In>()) {
+                        if (pairs) {
+                            add_weighted_values<T, In, kValueRows, kValueVectors, true, kValueShare>(
+                                o + r * Dv, Dv, s + r, 1, mp, v_rows, p.v_stride[2], keys, skip, issue);
+                            continue;
+                        }
+                    }
                     add_weighted_values<T, In, kValueRows, kValueVectors, false, kValueShare>(
-                        o + r * Dv, Dv, s + r, 1, mp, v_rows, p.v_stride[2],
-                        row_block_keys(p, q0, qn, rows, r, kValueRows, kt, n), skip, issue);
+                        o + r * Dv, Dv, s + r, 1, mp, v_rows, p.v_stride[2], keys, skip, issue);
+                }
             } else {
                 for (int64_t rb = 0; rb < mp; rb += RB) {
                     const int64_t keys = row_block_keys(p, q0, qn, rows, rb, RB, kt, n);
@@ -949,6 +995,7 @@ static void forward_block(const FwdParams& p, T* scratch, int64_t b, int64_t kvh
         if (!o_by_row) unpack_rows<T>(o + r0, mp, Dv, o_rows);
         for (int64_t r = r0; r < std::min<int64_t>(r0 + L, rows); ++r) {
             const int64_t g = r / qn, i = q0 + r % qn, h = kvh * G + g;
+            if (pairs) reorder_pairs(o + r * Dv, Dv, true);
             write_row<T, In>(p, b, h, i, r, o_by_row ? o + r * Dv : o_rows + (r - r0) * Dv, row_max[r], row_sum[r],
                              partial_out, partial_lse);
         }
@@ -1098,7 +1145,7 @@ static inline void softmax_rows(const FwdParams& p, T* s, int64_t N, int rows, i
 }
 
 /* One kv head's rows of a decode item: scratch (q [R][D] scaled, s [R][N], o [R][Dv], q's and o's
- * rows in pair order where dot_reads_pairs, and k_block [L][D], K rows converted where the level
+ * rows in pair order where reads_kv_in_pairs, and k_block [L][D], K rows converted where the level
  * converts element by element) and the running softmax. */
 template <typename T, int R> struct DotHead {
     T* q;
@@ -1113,13 +1160,6 @@ template <typename T, int R> struct DotHead {
 /* Elements of one DotHead's scratch. */
 template <typename T> static inline int64_t dot_head_elements(const FwdParams& p, int64_t rows) {
     return rows * (p.head_dim + p.key_tile + p.head_dim_v) + Vec<T>::lanes * p.head_dim;
-}
-
-/* Whether the decode reads K and V in pair order (load_pair_order), q and O held in it: bfloat16
- * rows whose D and Dv are whole pair blocks (2L elements). */
-template <typename T, typename In> static inline bool dot_reads_pairs(const FwdParams& p) {
-    constexpr int64_t block = 2 * Vec<T>::lanes;
-    return reads_in_pair_order<T, In>() && p.head_dim % block == 0 && p.head_dim_v % block == 0;
 }
 
 template <typename T, typename In, int R>
@@ -1137,7 +1177,7 @@ static void dot_start(const FwdParams& p, DotHead<T, R>& h, T* scratch, int64_t 
         convert_row(at<In>(p.q, b * p.q_stride[0] + h.head[r] * p.q_stride[1] + h.query[r] * p.q_stride[2]),
                     h.q + r * D, D);
         for (int64_t d = 0; d < D; ++d) h.q[r * D + d] *= scale;
-        if (dot_reads_pairs<T, In>(p)) reorder_pairs(h.q + r * D, D, false);
+        if (reads_kv_in_pairs<T, In>(p)) reorder_pairs(h.q + r * D, D, false);
     }
     std::memset(h.o, 0, sizeof(T) * R * Dv);
 }
@@ -1153,7 +1193,7 @@ static void dot_tile(const FwdParams& p, DotHead<T, R>& h, int64_t b, int64_t q0
     constexpr int CB = R >= 8 ? 2 : R >= 4 ? 4 : 8; /* O columns (vectors) held per row */
     const int64_t D = p.head_dim, Dv = p.head_dim_v, N = p.key_tile;
     const int64_t d_main = D / L * L;
-    const bool skip = p.skip_zero_weights != 0, pairs = dot_reads_pairs<T, In>(p);
+    const bool skip = p.skip_zero_weights != 0, pairs = reads_kv_in_pairs<T, In>(p);
     T* q = h.q;
     T* s = h.s;
     T* o = h.o;
@@ -1231,7 +1271,7 @@ static void dot_tile(const FwdParams& p, DotHead<T, R>& h, int64_t b, int64_t q0
 template <typename T, typename In, int R>
 static void dot_finish(const FwdParams& p, DotHead<T, R>& h, int64_t b, T* partial_out, T* partial_lse) {
     for (int r = 0; r < R; ++r) {
-        if (dot_reads_pairs<T, In>(p)) reorder_pairs(h.o + r * p.head_dim_v, p.head_dim_v, true);
+        if (reads_kv_in_pairs<T, In>(p)) reorder_pairs(h.o + r * p.head_dim_v, p.head_dim_v, true);
         write_row<T, In>(p, b, h.head[r], h.query[r], r, h.o + r * p.head_dim_v, h.row_max[r], h.row_sum[r],
                          partial_out, partial_lse);
     }

@@ -451,6 +451,17 @@ static inline void load_pair_order(const bfloat16_bits* src, typename Vec<T>::ty
     odd = (V)(words & 0xFFFF0000u);
 }
 
+/* src[0 : count] (count a multiple of 2L) as floats in pair order into dst. */
+template <typename T> static inline void convert_row_in_pairs(const bfloat16_bits* src, T* dst, int64_t count) {
+    constexpr int L = Vec<T>::lanes;
+    for (int64_t c = 0; c < count; c += 2 * L) {
+        typename Vec<T>::type even, odd;
+        load_pair_order<T>(src + c, even, odd);
+        vstore(dst + c, even);
+        vstore(dst + c + L, odd);
+    }
+}
+
 /* row[0 : count] (count a multiple of 2L) from natural order into pair order, or back (`back`). */
 template <typename T> static inline void reorder_pairs(T* row, int64_t count, bool back) {
     constexpr int L = Vec<T>::lanes;

@@ -130,11 +130,16 @@ def test_cpu_bfloat16_decode_in_and_out_of_pair_order_matches_oracle(rows: int, 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize(("group", "seq_q"), [(4, 4), (8, 3), (16, 3)])
-def test_cpu_decode_of_several_positions_matches_oracle(group: int, seq_q: int, dtype: str) -> None:
+@pytest.mark.parametrize("head_dims", [(128, 80), (64, 128)])
+def test_cpu_decode_of_several_positions_matches_oracle(
+    group: int, seq_q: int, dtype: str, head_dims: tuple[int, int]
+) -> None:
     """A decode of 3-4 positions with 16, 24 and 48 stacked rows a kv head (one query block): at
-    the 32-register levels one row block keeps O by row and reads V rows where they lie, two row
-    blocks convert half-precision V tiles for the transposed P.V."""
-    check_forward("cpu", "cpu", _stacked_decode(group, dtype, head_dim=128, head_dim_v=80, seq_q=seq_q))
+    the 32-register levels one row block keeps O by row and reads V rows where they lie (bfloat16
+    in pair order where D and Dv are pair blocks: 64/128, not 128/80 at avx512), two row blocks
+    convert half-precision V tiles for the transposed P.V."""
+    head_dim, head_dim_v = head_dims
+    check_forward("cpu", "cpu", _stacked_decode(group, dtype, head_dim=head_dim, head_dim_v=head_dim_v, seq_q=seq_q))
 
 
 def _stacked_decode(rows: int, dtype: str, head_dim: int, head_dim_v: int, seq_q: int = 1) -> Case:
