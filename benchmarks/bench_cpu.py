@@ -1,8 +1,10 @@
 """CPU benchmark: fastattn's cpu backend against torch SDPA and numpy, cases C1-C6 of DESIGN.md §5.
 
 Every implementation runs in the same process on the same inputs, interleaved: after one warm-up
-each, ``--repeats`` rounds time every implementation once in turn, and each quotes its median (a
-noisy neighbour then slows all of them alike).  The same run measures the machine's ceilings: the
+each, ``--repeats`` rounds time every implementation in turn (after a pause, untimed calls for
+``--warmup-ms``, then the mean of back-to-back calls over ``--timed-ms``), and each quotes its median
+(a noisy neighbour then slows all of them alike).  A float32 case that is not a decode also times
+the sgemm in its rounds, and its "of sgemm" is against that one.  The same run measures the machine's ceilings: the
 best sgemm (numpy's under this environment's OpenBLAS, numpy's again in a child process without
 ``OPENBLAS_CORETYPE``/``OPENBLAS_L2_SIZE`` when either is set, torch's), and, through
 ``machine_ceilings.c`` compiled with ``-march=native``, the float32 FMA peak of a register-only loop
@@ -142,20 +144,39 @@ def settle() -> None:
 #: the first two bfloat16 C2 forwards after a pause on the 2-core Xeon, for torch's SDPA alike), so
 #: a larger count measures the steady state of back-to-back calls.
 WARMUPS = 1
+#: ... and untimed runs go on until this many seconds have passed (``--warmup-ms``): the slow spell
+#: after a pause is a matter of time, not of calls, so a count alone left short calls in it.  On the
+#: 2-core Xeon model 207, C2's forward (4-5 ms) after 1, 4 and 10 untimed runs: 5.78, 5.61 and
+#: 4.57 ms (median of 5 rounds each), the 58 ms sgemm of the same rounds 65, 58 and 58 ms.
+WARMUP_SECONDS = 0.1
+#: A round's time of an implementation is the mean of back-to-back calls over at least this many
+#: seconds (``--timed-ms``; one call where a call takes longer): a single call of a few milliseconds
+#: took whatever the host gave it in that instant (C2's forward: 4.4-5.9 ms over 9 rounds).
+TIMED_SECONDS = 0.05
 
 
 def timed(run: Callable[[], Any]) -> float:
-    """Seconds of one run, after the pools of whatever ran before went idle.
+    """Seconds a run takes, after the pools of whatever ran before went idle: the mean of the calls
+    made back to back in ``TIMED_SECONDS``.
 
-    Untimed runs (``WARMUPS``) come first: after the pause the cores' clocks and the OpenMP team
-    are asleep, and waking them would be charged to whichever implementation runs first.
+    Untimed runs (``WARMUPS``, and more until ``WARMUP_SECONDS`` have passed) come first: after
+    the pause the cores' clocks and the OpenMP team are asleep, and waking them would be charged to
+    whichever implementation runs first.
     """
     settle()
+    warm_until = time.perf_counter() + WARMUP_SECONDS
     for _ in range(WARMUPS):
         run()
+    while time.perf_counter() < warm_until:
+        run()
     start = time.perf_counter()
-    run()
-    return time.perf_counter() - start
+    calls = 0
+    while True:
+        run()
+        calls += 1
+        elapsed = time.perf_counter() - start
+        if elapsed >= TIMED_SECONDS:
+            return elapsed / calls
 
 
 def median_seconds(run: Callable[[], Any], repeats: int) -> float:
@@ -272,6 +293,12 @@ def _machine_ceilings() -> Any:
 
 #: The row of a decode case that streams a buffer of its K and V's size (``run_case``).
 STREAMING_READ = "streaming read"
+#: The row of a float32 compute case (Sq > DECODE_ROWS) that times the ceiling's sgemm in the case's
+#: own rounds (``same_round_sgemm``): its "of sgemm" is then measured under the same conditions.  The
+#: 2-core VMs' hosts slow everything by 10-40% for minutes at a time, and against the sgemm of the
+#: ceilings, timed once before the cases, a case's ratio swung with them (2-core Xeon model 207:
+#: C1's forward 8.3-15.7 ms within one run of 7 rounds).
+SAME_ROUND_SGEMM = "sgemm"
 #: With a half-precision ``--dtype``, fastattn on the same case's inputs in float32 (the same draws,
 #: before rounding), timed in the same rounds: the dtype's speed against float32's.
 FLOAT32_BASELINE = "fastattn cpu float32"
@@ -287,6 +314,16 @@ def streaming_read(nbytes: int, threads: int) -> Callable[[], Any] | None:
         return None
     buffer = np.ones(nbytes // 4, dtype=np.float32)
     return lambda: native.read_gbytes_per_s(buffer.ctypes.data, buffer.size, threads)
+
+
+def same_round_sgemm(torch: Any, ceiling: dict[str, float]) -> Callable[[], Any]:
+    """A runner of the SGEMM_SIZE square float32 product by whichever of torch and numpy was faster
+    in ``ceiling`` (the ceilings' sgemm), for a case's rounds (``SAME_ROUND_SGEMM``)."""
+    a = np.random.default_rng(0).standard_normal((SGEMM_SIZE, SGEMM_SIZE), dtype=np.float32)
+    if torch is not None and ceiling.get("sgemm torch", 0.0) >= ceiling.get("sgemm numpy", 0.0):
+        matrix = torch.from_numpy(a)
+        return lambda: torch.mm(matrix, matrix)
+    return lambda: a @ a
 
 
 def machine_description() -> dict[str, Any]:
@@ -423,10 +460,13 @@ def run_case(
     dtype: str = "float32",
     mask_kind: str = "none",
     layout: str = "bhsd",
+    sgemm: Callable[[], Any] | None = None,
 ) -> list[dict[str, Any]]:
     """Time one case: every implementation in ``impls``, interleaved, on inputs in ``layout``'s
     memory order.  With a ``mask_kind`` other than "none" each runs under that mask, and fastattn
-    also runs unmasked ("fastattn cpu unmasked") in the same rounds, the baseline of the mask's cost."""
+    also runs unmasked ("fastattn cpu unmasked") in the same rounds, the baseline of the mask's cost.
+    ``sgemm`` (``same_round_sgemm``), where given, runs in the rounds of a case that is not a decode
+    (row ``SAME_ROUND_SGEMM``)."""
     batch, heads_q, heads_kv, seq_q, seq_k, dim, causal = CASES[name]
     rng = np.random.default_rng(1)
     drawn = [
@@ -452,7 +492,12 @@ def run_case(
         read = streaming_read(kv_bytes[STREAMING_READ], fastattn.get_num_threads())
         if read is not None:
             runs[STREAMING_READ] = read
+    if sgemm is not None and seq_q > DECODE_ROWS:
+        runs[SAME_ROUND_SGEMM] = sgemm
     medians = interleaved_medians(runs, repeats)
+    rates = {label: flops / seconds / 1e9 for label, seconds in medians.items()}
+    if SAME_ROUND_SGEMM in medians:
+        rates[SAME_ROUND_SGEMM] = 2 * SGEMM_SIZE**3 / medians[SAME_ROUND_SGEMM] / 1e9
     return [
         {
             "case": name,
@@ -461,8 +506,8 @@ def run_case(
             "layout": layout,
             "implementation": label,
             "median_ms": 1e3 * seconds,
-            "gflops": None if label == STREAMING_READ else flops / seconds / 1e9,
-            "kv_gbytes_per_s": kv_bytes[label] / seconds / 1e9,
+            "gflops": None if label == STREAMING_READ else rates[label],
+            "kv_gbytes_per_s": kv_bytes[label] / seconds / 1e9 if label in kv_bytes else None,
         }
         for label, seconds in medians.items()
     ]
@@ -525,9 +570,11 @@ def _key(row: dict[str, Any]) -> tuple[str, str, str, str]:
 def format_table(rows: list[dict[str, Any]], ceiling: dict[str, float], dtype: str = "float32") -> str:
     """One line per (case, mask, pass, implementation): time, rates, and the ratios to torch (under
     the same mask) and to the ceilings (the gemm column: sgemm for float32, torch's gemm in the dtype
-    otherwise; the read column: the case's own streaming read where it has one)."""
+    otherwise, the case's own sgemm in its rounds where it has one; the read column: the case's own
+    streaming read where it has one)."""
     torch_ms = {_key(r): r["median_ms"] for r in rows if r["implementation"] == "torch sdpa"}
     streamed = {_key(r): r["kv_gbytes_per_s"] for r in rows if r["implementation"] == STREAMING_READ}
+    same_round = {_key(r): r["gflops"] for r in rows if r["implementation"] == SAME_ROUND_SGEMM}
     gemm = "of sgemm" if dtype == "float32" else "of gemm"
     header = (
         f"{'case':<15} {'pass':<16} {'implementation':<21} {'ms':>9} {'GFLOP/s':>8} {'KV GB/s':>8} "
@@ -538,12 +585,14 @@ def format_table(rows: list[dict[str, Any]], ceiling: dict[str, float], dtype: s
         ratio = torch_ms.get(_key(row), math.nan) / row["median_ms"]
         gflops = math.nan if row["gflops"] is None else row["gflops"]
         fma = gflops / ceiling.get("fma peak", math.nan)
-        read = row["kv_gbytes_per_s"] / streamed.get(_key(row), ceiling.get("read bandwidth", math.nan))
+        kv_rate = math.nan if row["kv_gbytes_per_s"] is None else row["kv_gbytes_per_s"]
+        read = kv_rate / streamed.get(_key(row), ceiling.get("read bandwidth", math.nan))
+        gemm_rate = same_round.get(_key(row), ceiling["gemm"])
         mask, layout = row.get("mask", "none"), row.get("layout", "bhsd")
         case = row["case"] + ("" if mask == "none" else f"/{mask}") + ("" if layout == "bhsd" else f"/{layout}")
         lines.append(
             f"{case:<15} {row['pass']:<16} {row['implementation']:<21} {row['median_ms']:>9.2f} "
-            f"{gflops:>8.1f} {row['kv_gbytes_per_s']:>8.1f} {ratio:>8.2f}x {gflops / ceiling['gemm']:>8.0%} "
+            f"{gflops:>8.1f} {kv_rate:>8.1f} {ratio:>8.2f}x {gflops / gemm_rate:>8.0%} "
             f"{fma:>7.0%} {read:>8.0%}"
         )
     return "\n".join(lines)
@@ -552,9 +601,10 @@ def format_table(rows: list[dict[str, Any]], ceiling: dict[str, float], dtype: s
 def summary(rows: list[dict[str, Any]]) -> dict[str, float]:
     """fastattn / torch time ratios per (case, pass); for masked cases, per mask, the masked /
     unmasked time ("cost"); for decodes the share of the streaming read ("of read"); for half
-    precisions float32's time over the dtype's ("vs float32"); geomeans and minima over the
-    unmasked C1-C5."""
+    precisions float32's time over the dtype's ("vs float32"); for cases with an sgemm in their
+    rounds fastattn's GFLOP/s over its ("of sgemm"); geomeans and minima over the unmasked C1-C5."""
     by_key = {(_key(r), r["implementation"]): r["median_ms"] for r in rows}
+    rate = {(_key(r), r["implementation"]): r["gflops"] for r in rows}
     ratios: dict[str, float] = {}
     for (key, label), ms in by_key.items():
         case, direction, mask, layout = key
@@ -567,6 +617,8 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, float]:
             ratios[f"{name} of read"] = by_key[(key, STREAMING_READ)] / ms
         if label == "fastattn cpu" and (key, FLOAT32_BASELINE) in by_key:
             ratios[f"{name} vs float32"] = by_key[(key, FLOAT32_BASELINE)] / ms
+        if label == "fastattn cpu" and (key, SAME_ROUND_SGEMM) in rate:
+            ratios[f"{name} of sgemm"] = rate[(key, label)] / rate[(key, SAME_ROUND_SGEMM)]
     for direction in ("forward", "forward+backward"):
         chosen = [ratios[f"{c} {direction}"] for c in ("C1", "C2", "C3", "C4", "C5") if f"{c} {direction}" in ratios]
         if chosen:
@@ -576,7 +628,7 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    global WARMUPS
+    global WARMUPS, WARMUP_SECONDS, TIMED_SECONDS
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", nargs="+", default=DEFAULT_CASES, choices=list(CASES))
     parser.add_argument("--repeats", type=int, default=5)
@@ -600,6 +652,14 @@ def main(argv: list[str] | None = None) -> int:
         "--warmups", type=int, default=WARMUPS, help=f"untimed runs after each pause (default {WARMUPS})"
     )
     parser.add_argument(
+        "--warmup-ms", type=float, default=1e3 * WARMUP_SECONDS,
+        help=f"untimed runs after each pause go on for at least this long (default {1e3 * WARMUP_SECONDS:.0f})",
+    )
+    parser.add_argument(
+        "--timed-ms", type=float, default=1e3 * TIMED_SECONDS,
+        help=f"a round times back-to-back calls over at least this long, their mean (default {1e3 * TIMED_SECONDS:.0f})",
+    )
+    parser.add_argument(
         "--layouts", nargs="+", default=["bhsd"], choices=LAYOUTS,
         help="memory orders of the inputs to time (default bhsd; see LAYOUTS)",
     )
@@ -607,6 +667,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="output path (default benchmarks/results/cpu-<date>.json)")
     arguments = parser.parse_args(argv)
     WARMUPS = max(1, arguments.warmups)
+    WARMUP_SECONDS = max(0.0, arguments.warmup_ms / 1e3)
+    TIMED_SECONDS = max(0.0, arguments.timed_ms / 1e3)
 
     try:
         import torch
@@ -615,6 +677,7 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         torch = None
     ceiling = ceilings(torch, arguments.repeats, fastattn.get_num_threads(), arguments.dtype)
+    sgemm = same_round_sgemm(torch, ceiling) if arguments.dtype == "float32" else None
     wanted = {"fastattn cpu": "fastattn", "torch sdpa": "torch", "numpy naive": "numpy"}
     rows = []
     for direction in arguments.passes:
@@ -630,7 +693,9 @@ def main(argv: list[str] | None = None) -> int:
             for mask_kind in arguments.masks:
                 chosen = {label: make for label, make in impls.items() if mask_kind == "none" or label != "numpy naive"}
                 for layout in arguments.layouts:
-                    rows.extend(run_case(name, direction, chosen, arguments.repeats, arguments.dtype, mask_kind, layout))
+                    rows.extend(
+                        run_case(name, direction, chosen, arguments.repeats, arguments.dtype, mask_kind, layout, sgemm)
+                    )
     machine = machine_description()
     print(f"CPU: {machine.get('model_name')} (family {machine.get('family')}, model {machine.get('model')}), "
           f"{machine['cores']} logical CPUs, {fastattn.get_num_threads()} threads; fastattn level {machine['fastattn_isa']}")
@@ -651,6 +716,8 @@ def main(argv: list[str] | None = None) -> int:
         "sgemm_gflops": ceiling["sgemm"],
         "repeats": arguments.repeats,
         "warmups": WARMUPS,
+        "warmup_ms": 1e3 * WARMUP_SECONDS,
+        "timed_ms": 1e3 * TIMED_SECONDS,
         "masks": {kind: MASKS[kind] for kind in arguments.masks},
         "rows": rows,
         "ratios_vs_torch": ratios,
