@@ -661,14 +661,15 @@ template <typename T, typename In> struct KvTile {
             *row_stride = stride[2];
             return first;
         } else {
-            if constexpr (reads_in_pair_order<T, In>()) {
-                if (pairs) {
-                    for (int64_t j = 0; j < n; ++j) convert_row_in_pairs(first + j * stride[2], converted + j * width, width);
-                    *row_stride = width;
-                    return converted;
+            for (int64_t j = 0; j < n; ++j) {
+                if constexpr (reads_in_pair_order<T, In>()) {
+                    if (pairs) {
+                        convert_row_in_pairs(first + j * stride[2], converted + j * width, width);
+                        continue;
+                    }
                 }
+                convert_row(first + j * stride[2], converted + j * width, width);
             }
-            for (int64_t j = 0; j < n; ++j) convert_row(first + j * stride[2], converted + j * width, width);
             *row_stride = width;
             return converted;
         }
