@@ -4,7 +4,8 @@ Every implementation runs in the same process on the same inputs, interleaved: a
 each, ``--repeats`` rounds time every implementation in turn (after a pause, untimed calls for
 ``--warmup-ms``, then the mean of back-to-back calls over ``--timed-ms``), and each quotes its median
 (a noisy neighbour then slows all of them alike).  A float32 case that is not a decode also times
-the sgemm in its rounds, and its "of sgemm" is against that one.  The same run measures the machine's ceilings: the
+the sgemm in its rounds, and its "of sgemm" is against that one; a decode, two streaming reads of its
+bytes, and its "of read" is against the faster.  The same run measures the machine's ceilings: the
 best sgemm (numpy's under this environment's OpenBLAS, numpy's again in a child process without
 ``OPENBLAS_CORETYPE``/``OPENBLAS_L2_SIZE`` when either is set, torch's), and, through
 ``machine_ceilings.c`` compiled with ``-march=native``, the float32 FMA peak of a register-only loop
