@@ -184,9 +184,9 @@ def test_decode_launch_arguments_match_the_kernel(launches, seq_k, mask) -> None
     decode.forward(case, a["q"], a["k"], a["v"], a["out"], a["lse"], extras)
     names = [launch[0] for launch in launches]
     splits = decode.plan(case, 132)[0]
-    assert names[0] == "fastattn_gpu::flash_decode_fp32<128, 4>"
-    assert launches[0][1] == (splits, case.heads_kv, case.batch)
-    assert names[1:] == (["fastattn_gpu::decode_combine<float>"] if splits > 1 else [])
+    assert names[:2] == [f"fastattn_gpu::flash_decode_fp32<128, 4, {rerun}>" for rerun in ("false", "true")]
+    assert launches[0][1] == launches[1][1] == (splits, case.heads_kv, case.batch)
+    assert names[2:] == (["fastattn_gpu::decode_combine<float>"] if splits > 1 else [])
 
 
 def test_fp32_launch_arguments_match_the_kernels(launches) -> None:
@@ -196,13 +196,16 @@ def test_fp32_launch_arguments_match_the_kernels(launches) -> None:
     fp32.forward(case, a["q"], a["k"], a["v"], a["out"], a["lse"], extras)
     fp32.backward(case, a["out"], a["q"], a["k"], a["v"], a["out"], a["lse"], extras)
     assert [launch[0] for launch in launches] == [
-        "fastattn_gpu::fp32_forward<128, false>",
+        "fastattn_gpu::fp32_forward<128, false, false>",
+        "fastattn_gpu::fp32_forward<128, false, true>",
         "fastattn_gpu::fp32_delta",
         "fastattn_gpu::fp32_backward_kv<128, false>",
         "fastattn_gpu::fp32_backward_q<128, false>",
     ]
-    assert launches[0][1] == (2, 32, 32) and launches[2][1] == (3, 8, 32) and launches[3][1] == (2, 32, 32)
-    forward_record, backward_record = _record(launches[0][4]), _record(launches[1][4])
+    assert launches[0][1] == launches[1][1] == (2, 32, 32)
+    assert launches[3][1] == (3, 8, 32) and launches[4][1] == (2, 32, 32)
+    assert _record(launches[1][4]) == _record(launches[0][4]), "the rerun takes the walk's record"
+    forward_record, backward_record = _record(launches[0][4]), _record(launches[2][4])
     for name in ("q", "k", "v", "out", "lse"):
         assert forward_record[name]["data"] == a[name].ctypes.data
         assert tuple(forward_record[name][["sb", "sh", "ss"]].item()) == tuple(
@@ -212,7 +215,7 @@ def test_fp32_launch_arguments_match_the_kernels(launches) -> None:
     assert forward_record["head_dim"] == 80 and forward_record["head_dim_v"] == 24
     assert all(backward_record[name]["data"] != 0 for name in ("dq", "dk", "dv", "dout"))
     assert backward_record["delta"] != 0
-    assert all(_record(launch[4]) == backward_record for launch in launches[2:]), "one record per call"
+    assert all(_record(launch[4]) == backward_record for launch in launches[3:]), "one record per call"
 
 
 @pytest.mark.parametrize("deterministic", [False, True])

@@ -131,5 +131,6 @@ def test_misaligned_kv_leave_the_decode_kernel_to_the_general_forward() -> None:
 
 
 def test_decode_and_fp32_tables_cover_their_buckets() -> None:
-    assert len(decode.all_instances()) == 3 * len(decode.HEAD_DIMS) * 2 + 3
-    assert len(fp32.all_forward_instances()) == 2 * len(fp32.BUCKETS)
+    # float16/bfloat16 x softcap; float32 x 4 or 8 rows x walk or rerun; a combine per dtype
+    assert len(decode.all_instances()) == 2 * len(decode.HEAD_DIMS) * 2 + len(decode.HEAD_DIMS) * 2 * 2 + 3
+    assert len(fp32.all_forward_instances()) == 2 * len(fp32.BUCKETS) * 2

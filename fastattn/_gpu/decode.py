@@ -64,18 +64,21 @@ def declines(problem: AttentionProblem) -> list[str]:
 
 
 def instances(problem: AttentionProblem) -> tuple[str, ...]:
-    """The kernel instances that run ``problem``: the decode, then the combine when it splits."""
+    """The kernel instances that run ``problem``, in launch order: the decode (float32: then its
+    rerun of the blocks whose outputs came out non-finite), then the combine when it splits."""
     return _instances(problem, plan(problem, _launch.multiprocessors())[0])
 
 
 def _instances(problem: AttentionProblem, splits: int) -> tuple[str, ...]:
     element = _ELEMENTS[problem.dtype]
     if problem.dtype == "float32":
-        decode = f"fastattn_gpu::flash_decode_fp32<{problem.head_dim}, {rows_per_block(problem)}>"
+        rows = rows_per_block(problem)
+        name = f"fastattn_gpu::flash_decode_fp32<{problem.head_dim}, {rows}"
+        decodes = (f"{name}, false>", f"{name}, true>")
     else:
         softcap = "true" if problem.softcap is not None else "false"
-        decode = f"fastattn_gpu::flash_decode<{element}, {problem.head_dim}, {softcap}>"
-    return (decode,) if splits == 1 else (decode, f"fastattn_gpu::decode_combine<{element}>")
+        decodes = (f"fastattn_gpu::flash_decode<{element}, {problem.head_dim}, {softcap}>",)
+    return decodes if splits == 1 else (*decodes, f"fastattn_gpu::decode_combine<{element}>")
 
 
 def all_instances() -> tuple[str, ...]:
@@ -86,7 +89,12 @@ def all_instances() -> tuple[str, ...]:
         for head_dim in HEAD_DIMS
         for softcap in ("false", "true")
     )
-    simt = tuple(f"fastattn_gpu::flash_decode_fp32<{head_dim}, {rows}>" for head_dim in HEAD_DIMS for rows in (4, 8))
+    simt = tuple(
+        f"fastattn_gpu::flash_decode_fp32<{head_dim}, {rows}, {rerun}>"
+        for head_dim in HEAD_DIMS
+        for rows in (4, 8)
+        for rerun in ("false", "true")
+    )
     return tensor_cores + simt + tuple(f"fastattn_gpu::decode_combine<{element}>" for element in _ELEMENTS.values())
 
 
@@ -171,8 +179,10 @@ def forward(problem: AttentionProblem, q: Any, k: Any, v: Any, out: Any, lse: An
         for name, array in partials.items():
             params.set_pointer(record, name, array)
         argument = params.argument(record)
-        _launch.compiled(SOURCE, names[0], shared)(
-            (splits, problem.heads_kv * chunks, problem.batch), (THREADS,), argument, shared_mem=shared
-        )
+        decodes = names[:-1] if splits > 1 else names
+        for name in decodes:
+            _launch.compiled(SOURCE, name, shared)(
+                (splits, problem.heads_kv * chunks, problem.batch), (THREADS,), argument, shared_mem=shared
+            )
         if splits > 1:
-            _launch.compiled(SOURCE, names[1], 0)((query_rows,), (THREADS,), argument)
+            _launch.compiled(SOURCE, names[-1], 0)((query_rows,), (THREADS,), argument)

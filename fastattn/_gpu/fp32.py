@@ -1,11 +1,13 @@
 """Launchers of the exact float32 kernels (``kernels/flash_fp32.cu``): forward and backward.
 
 SIMT float32 throughout (no TF32: ``allow_tf32`` is not offered yet), so results agree with
-float64 to float32 rounding.  One head-dimension bucket (32, 64, 128 or 256) covers ``max(D, Dv)``;
-any element strides with a contiguous last axis work.  The backward is three launches: the delta
-pre-pass, dK/dV over key blocks (deterministic sum over the GQA group), dQ over query blocks
-(a second pass instead of atomics: deterministic).  Dropout runs in the ``DROPOUT`` instances.
-Every launch of a call passes its one ``Params`` record (``params.py``).
+float64 to float32 rounding.  The forward is two launches: the walk over the keys, then a rerun
+of the blocks whose outputs came out non-finite (most exit at once).  One head-dimension bucket
+(32, 64, 128 or 256) covers ``max(D, Dv)``; any element strides with a contiguous last axis work.
+The backward is three launches: the delta pre-pass, dK/dV over key blocks (deterministic sum over
+the GQA group), dQ over query blocks (a second pass instead of atomics: deterministic).  Dropout
+runs in the ``DROPOUT`` instances.  Every launch of a call passes its one ``Params`` record
+(``params.py``).
 """
 
 from __future__ import annotations
@@ -86,8 +88,10 @@ def _flag(problem: AttentionProblem) -> str:
 
 
 def forward_instances(problem: AttentionProblem) -> tuple[str, ...]:
-    """The kernel instance that runs ``problem``'s forward."""
-    return (f"fastattn_gpu::fp32_forward<{bucket(problem)}, {_flag(problem)}>",)
+    """The kernel instances that run ``problem``'s forward, in launch order: the walk, then the rerun
+    of the blocks whose outputs came out non-finite (see ``fp32_forward``'s RERUN)."""
+    name = f"fastattn_gpu::fp32_forward<{bucket(problem)}, {_flag(problem)}"
+    return (f"{name}, false>", f"{name}, true>")
 
 
 def backward_instances(problem: AttentionProblem) -> tuple[str, ...]:
@@ -102,7 +106,12 @@ def backward_instances(problem: AttentionProblem) -> tuple[str, ...]:
 
 def all_forward_instances() -> tuple[str, ...]:
     """Every instance :func:`forward_instances` can name (CI's nvcc compiles each)."""
-    return tuple(f"fastattn_gpu::fp32_forward<{dmax}, {flag}>" for dmax in BUCKETS for flag in ("false", "true"))
+    return tuple(
+        f"fastattn_gpu::fp32_forward<{dmax}, {flag}, {rerun}>"
+        for dmax in BUCKETS
+        for flag in ("false", "true")
+        for rerun in ("false", "true")
+    )
 
 
 def all_backward_instances() -> tuple[str, ...]:
@@ -132,9 +141,10 @@ def forward(problem: AttentionProblem, q: Any, k: Any, v: Any, out: Any, lse: An
         params.set_operand(record, name, array)
     shared = forward_shared_bytes(bucket(problem))
     grid = (math.ceil(problem.seq_q / 64), problem.heads_q, problem.batch)
-    (name,) = forward_instances(problem)
+    argument = params.argument(record)
     with _launch.stream(problem.framework):
-        _launch.compiled(SOURCE, name, shared)(grid, (THREADS,), params.argument(record), shared_mem=shared)
+        for name in forward_instances(problem):
+            _launch.compiled(SOURCE, name, shared)(grid, (THREADS,), argument, shared_mem=shared)
 
 
 def backward(

@@ -120,7 +120,7 @@ _LATE_MAXIMUM_SHAPES = {
 @pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "bfloat16"])
 @pytest.mark.parametrize("shape", list(_LATE_MAXIMUM_SHAPES.values()), ids=list(_LATE_MAXIMUM_SHAPES))
 def test_nan_at_a_key_that_underflows_against_a_later_maximum(
-    backend: str, shape, dtype: str, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+    backend: str, shape, dtype: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A NaN in V at a key whose weight underflows to 0 against the row's maximum, which lies in a
     later key tile (and key split): the reference weighs every key against the final maximum, so
@@ -130,16 +130,6 @@ def test_nan_at_a_key_that_underflows_against_a_later_maximum(
     early, late = shape[5:]
     if shape == _LATE_MAXIMUM_SHAPES["decode-unsplit"]:
         monkeypatch.setenv("FASTATTN_EMULATED_SMS", "1")
-    if backend.startswith("cuda") and dtype == "float32":
-        # The tensor-core forward's second walk starts from the first walk's maxima, the tensor-core
-        # decode's from every row's maximum over all splits, and both pass.  Not strict: these fail
-        # in the emulator; on a GPU they have not run yet.
-        request.applymarker(
-            pytest.mark.xfail(
-                reason="the GPU float32 forward and decode weigh a key against the maximum so far: "
-                "no second walk from the row's final maximum built yet"
-            )
-        )
     # Scores in [-1, 1] at every key but the early one (far below the others) and the late one (far
     # above).  Weights in float32 (the half precisions' too) flush below 2^-126 (e^-87.3), float64's below
     # e^-745.  Below float64: against its own tile's maximum (~1) the early key weighs ~e^-12, above

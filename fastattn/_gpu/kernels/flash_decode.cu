@@ -76,7 +76,7 @@ template <int HEAD_DIM, int ROWS> struct DecodeMerge {
         }
         __syncthreads();
 
-        const int splits = gridDim.x, split = blockIdx.x, group = p.group, seq_q = p.seq_q;
+        const int splits = gridDim.x, group = p.group, seq_q = p.seq_q;
         for (int index = threadIdx.x; index < packed_rows * HEAD_DIM; index += kDecodeThreads) {
             const int r = index / HEAD_DIM, d = index % HEAD_DIM, packed = row0 + r;
             const int h = kvh * group + packed / seq_q, i = packed % seq_q;
@@ -88,11 +88,35 @@ template <int HEAD_DIM, int ROWS> struct DecodeMerge {
                 p.out.row<Elem>(b, h, i)[d] = Convert<Elem>::from_float(value);
                 if (d == 0) *p.lse.row<float>(b, h, i) = row_lse[r];
             } else {
-                const long long row = split * p.rows + (static_cast<long long>(b) * p.heads_q + h) * seq_q + i;
+                const long long row = partial_row(p, b, h, i);
                 if (row_lse[r] != negative_infinity()) p.partial_out[row * HEAD_DIM + d] = value;
                 if (d == 0) p.partial_lse[row] = row_lse[r];
             }
         }
+    }
+
+    // The row of this block's split of (b, h, i) in partial_out and partial_lse.
+    static __device__ __forceinline__ long long partial_row(const Params& p, int b, int h, int i) {
+        return blockIdx.x * p.rows + (static_cast<long long>(b) * p.heads_q + h) * p.seq_q + i;
+    }
+
+    // Whether every output a float32 block wrote (out, or its split's partial_out where the split saw
+    // a key) is finite; the block's threads together, all of them reaching it.
+    static __device__ __forceinline__ bool written_finite(const Params& p, int b, int kvh, int row0, int packed_rows) {
+        bool finite = true;
+        for (int index = threadIdx.x; index < packed_rows * HEAD_DIM; index += kDecodeThreads) {
+            const int r = index / HEAD_DIM, d = index % HEAD_DIM, packed = row0 + r;
+            const int h = kvh * p.group + packed / p.seq_q, i = packed % p.seq_q;
+            float value = 0.f;
+            if (gridDim.x == 1) {
+                value = p.out.row<const float>(b, h, i)[d];
+            } else {
+                const long long row = partial_row(p, b, h, i);
+                if (p.partial_lse[row] != negative_infinity()) value = p.partial_out[row * HEAD_DIM + d];
+            }
+            finite = finite && !not_finite(value);
+        }
+        return !__syncthreads_or(!finite);
     }
 };
 
@@ -351,8 +375,19 @@ template <int N> __device__ __forceinline__ void store_floats(float* dst, const 
     }
 }
 
-template <int HEAD_DIM, int ROWS>
-__global__ void __launch_bounds__(kDecodeThreads, HEAD_DIM == 256 ? 1 : 0) flash_decode_fp32(const __grid_constant__ Params p) {
+// RERUN: the second launch of a float32 decode (the same grid, before the combine).  The first
+// weighs each key against the maximum of the keys before it in the warp's share of the split; where
+// a key's weight is 0 against its row's maximum over all of its keys (an exp below the smallest
+// normal) but was not then, a NaN or inf in its V stays in the output, where the reference has none.
+// A RERUN block exits unless an output it wrote is non-finite; then it takes every row's maximum over
+// all of its keys (all splits) from a walk of the masked scores alone, reduced over the key's lanes
+// and the warps through the stages, and walks its split's keys once more shifted by it, writing its
+// results again (as the tensor-core decode's row_maxima and walk_keys_under_zero_weight_rule do
+// within the kernel; here that walk in the same kernel took flash_decode_fp32<64, 8> from 168
+// registers to 255 and spilled).  The RERUN instances are bounded to one block an SM: left to itself
+// ptxas held flash_decode_fp32<128, 8, true> at 168 registers and spilled 60 bytes (sm_90).
+template <int HEAD_DIM, int ROWS, bool RERUN>
+__global__ void __launch_bounds__(kDecodeThreads, RERUN || HEAD_DIM == 256 ? 1 : 0) flash_decode_fp32(const __grid_constant__ Params p) {
     using Shape = Fp32DecodeShape<HEAD_DIM, ROWS>;
     constexpr int kVec = Shape::kVec, kRow = Shape::kRow, kBlockN = Shape::kBlockN, kWarpKeys = Shape::kWarpKeys;
     constexpr int kKeyLanes = Shape::kKeyLanes, kLaneRows = Shape::kLaneRows, kOut = Shape::kOut;
@@ -370,6 +405,9 @@ __global__ void __launch_bounds__(kDecodeThreads, HEAD_DIM == 256 ? 1 : 0) flash
     const int kvh = blockIdx.y / chunks, row0 = (blockIdx.y % chunks) * ROWS;
     const int packed_rows = min(ROWS, group * seq_q - row0);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    if constexpr (RERUN) {
+        if (DecodeMerge<HEAD_DIM, ROWS>::written_finite(p, b, kvh, row0, packed_rows)) return;
+    }
 
     int lo, hi;
     p.rules.key_range(b, p.seq_k, 0, seq_q - 1, &lo, &hi);
@@ -380,8 +418,10 @@ __global__ void __launch_bounds__(kDecodeThreads, HEAD_DIM == 256 ? 1 : 0) flash
     rule.template interior_tiles<kBlockN>(b, p.seq_k, 0, seq_q - 1, lo, hi, &interior_lo, &interior_hi);
     if (p.softcap > 0.f) interior_hi = interior_lo;
     const KeyValueStream<float, HEAD_DIM, kBlockN, kDecodeThreads> stream{p, stages, b, kvh, hi};
-    if (lo < hi) stream.load(0, lo);
-    cp_async_commit();
+    if constexpr (!RERUN) {  // (a RERUN block loads it after its walk of the scores)
+        if (lo < hi) stream.load(0, lo);
+        cp_async_commit();
+    }
 
     for (int index = threadIdx.x; index < ROWS * HEAD_DIM; index += kDecodeThreads) {
         const int r = index / HEAD_DIM, d = index % HEAD_DIM, packed = row0 + r;
@@ -569,6 +609,49 @@ __global__ void __launch_bounds__(kDecodeThreads, HEAD_DIM == 256 ? 1 : 0) flash
             update_output(Flag<true>{}, Flag<true>{}, stage);
         }
     };
+
+    if constexpr (RERUN) {
+        // Every row's maximum over all of its keys: the masked scores of [first, last) (hi, which
+        // tile_scores hides keys from, is last meanwhile), over the key's lanes, then the warps.
+        int first, last;
+        p.rules.key_range(b, p.seq_k, 0, seq_q - 1, &first, &last);
+        const int split_hi = hi;
+        hi = last;
+        const KeyValueStream<float, HEAD_DIM, kBlockN, kDecodeThreads> every_key{p, stages, b, kvh, last};
+        if (first < last) every_key.load(0, first);
+        cp_async_commit();
+        int at = 0;
+        for (int key0 = first; key0 < last; key0 += kBlockN, at ^= 1) {
+            every_key.next(key0, at);
+            const Floats<kLaneRows> score = tile_scores(Flag<true>{}, key0, at);
+#pragma unroll
+            for (int i = 0; i < kLaneRows; ++i) row_max[i] = fmaxf(row_max[i], score[i]);
+            __syncthreads();
+        }
+        cp_async_wait<0>();
+        __syncthreads();
+        hi = split_hi;
+        float* maxima = stages;  // [warps][ROWS]
+#pragma unroll
+        for (int i = 0; i < kLaneRows; ++i) {
+#pragma unroll
+            for (int width = kWarpKeys / 2; width > 0; width /= 2)
+                row_max[i] = fmaxf(row_max[i], __shfl_xor_sync(0xffffffff, row_max[i], width));
+            if (key == 0) maxima[warp * ROWS + part * kLaneRows + i] = row_max[i];
+        }
+        __syncthreads();
+#pragma unroll
+        for (int i = 0; i < kLaneRows; ++i) {
+#pragma unroll
+            for (int w = 0; w < kDecodeWarps; ++w) row_max[i] = fmaxf(row_max[i], maxima[w * ROWS + part * kLaneRows + i]);
+            const bool none = row_max[i] == negative_infinity();
+            shift[i] = none ? 0.f : row_max[i];
+            bound[i] = none ? negative_infinity() : kRescaleSlack;
+        }
+        __syncthreads();  // the stages are loaded next
+        if (lo < hi) stream.load(0, lo);
+        cp_async_commit();
+    }
 
     // Tiles [kt, end): lazy tiles in the loop that streams the cache; a tile that needs more is
     // redone as a rescaling tile outside it.  The barrier at each tile's end: its stage (and the

@@ -106,7 +106,16 @@ template <int DMAX> struct Fp32Shape {
 // itself ptxas capped them at 128 registers and spilled (head_dim 128 and 32); their Philox state
 // needs more.  The others keep ptxas's own choice (a minimum of 0 blocks is no bound; 2 made
 // fp32_forward<256> spill).
-template <int DMAX, bool DROPOUT>
+//
+// RERUN: the second launch of a call (the same grid, after the first).  The first weighs each key
+// against its row's maximum so far; where a key's weight is 0 against the row's final maximum (an
+// exp below the smallest normal) but was not against an earlier one, a NaN or inf in its V stays in
+// the output, where the reference has none.  A RERUN block exits unless its rows' outputs hold a
+// non-finite value; then it takes the rows' final maxima from a walk of the scores alone and
+// walks the keys once more against them, writing out and lse again (the tensor-core kernels' second
+// walk, walk_keys_under_zero_weight_rule, does this within the kernel; here that walk in the same
+// kernel took fp32_forward<128, false> on sm_80 from 98 registers to 128 and spilled).
+template <int DMAX, bool DROPOUT, bool RERUN>
 __global__ void __launch_bounds__(kFp32Threads, DROPOUT ? 1 : 0) fp32_forward(const __grid_constant__ Params p) {
     using Shape = Fp32Shape<DMAX>;
     constexpr int BM = Shape::kForwardM, BN = Shape::kForwardN, S = Shape::kStride;
@@ -119,6 +128,13 @@ __global__ void __launch_bounds__(kFp32Threads, DROPOUT ? 1 : 0) fp32_forward(co
 
     const int m0 = blockIdx.x * BM, h = blockIdx.y, b = blockIdx.z, kvh = h / p.group;
     const int ty = threadIdx.x / 16, tx = threadIdx.x % 16;
+    if constexpr (RERUN) {
+        const int rows = min(BM, p.seq_q - m0);
+        bool finite = true;
+        for (int index = threadIdx.x; index < rows * p.head_dim_v; index += kFp32Threads)
+            finite = finite && !not_finite(p.out.row<const float>(b, h, m0 + index / p.head_dim_v)[index % p.head_dim_v]);
+        if (!__syncthreads_or(!finite)) return;
+    }
     int lo, hi;
     p.rules.key_range(b, p.seq_k, m0, min(m0 + BM, p.seq_q) - 1, &lo, &hi);
     load_rows(q_s, S, p.q.row<const float>(b, h, 0), p.q.ss, m0, BM, p.seq_q, p.head_dim, DMAX);
@@ -127,46 +143,58 @@ __global__ void __launch_bounds__(kFp32Threads, DROPOUT ? 1 : 0) fp32_forward(co
 #pragma unroll
     for (int i = 0; i < TM; ++i) row_max[i] = negative_infinity(), row_sum[i] = 0.f;
     tile_zero(acc);
-
-    for (int kt = lo; kt < hi; kt += BN) {
-        __syncthreads();  // the previous tile's P V is done with k_s, v_s and p_s
-        load_rows(k_s, S, p.k.row<const float>(b, kvh, 0), p.k.ss, kt, BN, hi, p.head_dim, DMAX);
-        load_rows(v_s, S, p.v.row<const float>(b, kvh, 0), p.v.ss, kt, BN, hi, p.head_dim_v, DMAX);
-        __syncthreads();
-        float s[TM][TN];
-        tile_zero(s);
-        tile_mac<false>(s, q_s, S, 1, k_s, 1, S, p.head_dim);
+    // A walk over the key tiles; SCORES_ONLY: the rows' maxima alone (no V, no P V).
+    auto walk = [&](auto scores_only) {
+        constexpr bool SCORES_ONLY = decltype(scores_only)::value;
+        for (int kt = lo; kt < hi; kt += BN) {
+            __syncthreads();  // the previous tile's P V is done with k_s, v_s and p_s
+            load_rows(k_s, S, p.k.row<const float>(b, kvh, 0), p.k.ss, kt, BN, hi, p.head_dim, DMAX);
+            if constexpr (!SCORES_ONLY)
+                load_rows(v_s, S, p.v.row<const float>(b, kvh, 0), p.v.ss, kt, BN, hi, p.head_dim_v, DMAX);
+            __syncthreads();
+            float s[TM][TN];
+            tile_zero(s);
+            tile_mac<false>(s, q_s, S, 1, k_s, 1, S, p.head_dim);
 #pragma unroll
-        for (int i = 0; i < TM; ++i) {
-            const int row = m0 + ty + 16 * i;
-            float tile_max = negative_infinity();
+            for (int i = 0; i < TM; ++i) {
+                const int row = m0 + ty + 16 * i;
+                float tile_max = negative_infinity();
 #pragma unroll
-            for (int j = 0; j < TN; ++j) {
-                const int key = kt + tx + 16 * j;
-                s[i][j] = row < p.seq_q && key < hi
-                              ? p.rules.apply(soft_cap(s[i][j] * p.scale, p.softcap), b, h, row, key)
-                              : negative_infinity();
-                tile_max = fmaxf(tile_max, s[i][j]);
+                for (int j = 0; j < TN; ++j) {
+                    const int key = kt + tx + 16 * j;
+                    s[i][j] = row < p.seq_q && key < hi
+                                  ? p.rules.apply(soft_cap(s[i][j] * p.scale, p.softcap), b, h, row, key)
+                                  : negative_infinity();
+                    tile_max = fmaxf(tile_max, s[i][j]);
+                }
+                const float new_max = fmaxf(row_max[i], row_max16(tile_max));
+                if constexpr (SCORES_ONLY) {
+                    row_max[i] = new_max;
+                    continue;
+                }
+                const float shift = new_max == negative_infinity() ? 0.f : new_max;
+                const float alpha = flush_tiny(expf(row_max[i] - shift));
+                float tile_sum = 0.f;
+#pragma unroll
+                for (int j = 0; j < TN; ++j) {
+                    const float prob = flush_tiny(expf(s[i][j] - shift));
+                    const float factor = DROPOUT ? p.dropout.factor(b, p.heads_q, h, row, kt + tx + 16 * j) : 1.f;
+                    p_s[(ty + 16 * i) * (BN + 1) + tx + 16 * j] = prob * factor;
+                    tile_sum += prob;
+                }
+                row_max[i] = new_max;
+                row_sum[i] = row_sum[i] * alpha + row_sum16(tile_sum);
+#pragma unroll
+                for (int d = 0; d < TD; ++d) acc[i][d] = weighted_add(alpha, acc[i][d], 0.f);
             }
-            const float new_max = fmaxf(row_max[i], row_max16(tile_max));
-            const float shift = new_max == negative_infinity() ? 0.f : new_max;
-            const float alpha = flush_tiny(expf(row_max[i] - shift));
-            float tile_sum = 0.f;
-#pragma unroll
-            for (int j = 0; j < TN; ++j) {
-                const float prob = flush_tiny(expf(s[i][j] - shift));
-                const float factor = DROPOUT ? p.dropout.factor(b, p.heads_q, h, row, kt + tx + 16 * j) : 1.f;
-                p_s[(ty + 16 * i) * (BN + 1) + tx + 16 * j] = prob * factor;
-                tile_sum += prob;
+            if constexpr (!SCORES_ONLY) {
+                __syncthreads();
+                tile_mac<true>(acc, p_s, BN + 1, 1, v_s, S, 1, BN);
             }
-            row_max[i] = new_max;
-            row_sum[i] = row_sum[i] * alpha + row_sum16(tile_sum);
-#pragma unroll
-            for (int d = 0; d < TD; ++d) acc[i][d] = weighted_add(alpha, acc[i][d], 0.f);
         }
-        __syncthreads();
-        tile_mac<true>(acc, p_s, BN + 1, 1, v_s, S, 1, BN);
-    }
+    };
+    if constexpr (RERUN) walk(Flag<true>{});
+    walk(Flag<false>{});
 
 #pragma unroll
     for (int i = 0; i < TM; ++i) {
