@@ -4,7 +4,8 @@
  * (compiled into _flash with baseline flags) declares their tables.  A level runs where CPUID
  * reports every extension its flags enable and the OS saves the registers it uses; GCC's and
  * Clang's __builtin_cpu_supports check both (XGETBV for the AVX and AVX-512 state).  The native
- * level (FASTATTN_NATIVE=1, -march=native) is taken to run on the machine that built it.
+ * level (FASTATTN_NATIVE=1, -march=native) is taken to run on the machine that built it, once the
+ * OS has granted the AMX tile registers where that machine has them.
  * fastattn/_cpu/isa.py chooses among the runnable levels (the highest, or FASTATTN_ISA).
  */
 #ifndef FASTATTN_DISPATCH_H
@@ -61,11 +62,16 @@ static inline bool cpu_runs_amx() {
     return cpu_runs_avx512bf16() && __builtin_cpu_supports("amx-tile") &&
            __builtin_cpu_supports("amx-bf16") && os_grants_amx();
 }
+/* The native level runs on the machine that built it, but where that CPU has AMX, -march=native
+ * compiled the AMX kernels in, and their first tile instruction faults unless the process asked
+ * for the tile registers first (a native build on a Xeon with AMX crashed in its bfloat16 tests). */
+static inline bool cpu_runs_native() { return !__builtin_cpu_supports("amx-tile") || os_grants_amx(); }
 #else
 static inline bool cpu_runs_avx2() { return false; }
 static inline bool cpu_runs_avx512() { return false; }
 static inline bool cpu_runs_avx512bf16() { return false; }
 static inline bool cpu_runs_amx() { return false; }
+static inline bool cpu_runs_native() { return true; }
 #endif
 
 struct IsaLevel {
@@ -92,7 +98,7 @@ static inline int build_levels(IsaLevel* levels) {
     levels[count++] = IsaLevel{isa_amx::kernel_table(), cpu_runs_amx()};
 #endif
 #if defined(FASTATTN_LEVEL_NATIVE)
-    levels[count++] = IsaLevel{isa_native::kernel_table(), true};
+    levels[count++] = IsaLevel{isa_native::kernel_table(), cpu_runs_native()};
 #endif
     return count;
 }

@@ -71,6 +71,7 @@ def instances(problem: AttentionProblem) -> tuple[str, ...]:
 
 def _instances(problem: AttentionProblem, splits: int) -> tuple[str, ...]:
     element = _ELEMENTS[problem.dtype]
+    decodes: tuple[str, ...]
     if problem.dtype == "float32":
         rows = rows_per_block(problem)
         name = f"fastattn_gpu::flash_decode_fp32<{problem.head_dim}, {rows}"

@@ -18,7 +18,17 @@ from hypothesis import strategies as st
 
 import fastattn
 
-from ._cases import BACKWARD_TOLERANCE, Case, array_module, bhsd_float64, cases, dout_like, make_inputs, to_host
+from ._cases import (
+    BACKWARD_TOLERANCE,
+    Case,
+    array_module,
+    bhsd_float64,
+    cases,
+    dout_like,
+    make_inputs,
+    to_device,
+    to_host,
+)
 
 _POISONS = (np.nan, np.inf, -np.inf)
 
@@ -79,7 +89,7 @@ def test_nonfinite_inputs_propagate_like_the_reference(
         _assert_same(name, bhsd_float64(g, case.layout), bhsd_float64(w, case.layout), case.dtype)
 
 
-def test_garbage_in_hidden_keys_never_reaches_a_row(backend: str) -> None:
+def test_garbage_in_hidden_keys_never_reaches_a_row(backend: str, device: str) -> None:
     """A KV cache allocated with garbage: NaN/inf past key_lengths, behind a bool mask, or in the
     future of a causal row (same tile as visible keys), never reaches a row that cannot see it."""
     rng = np.random.default_rng()
@@ -89,7 +99,8 @@ def test_garbage_in_hidden_keys_never_reaches_a_row(backend: str) -> None:
     # float64 where the backend takes it, else float32 (the GPU kernels take no float64).
     for dtype in (np.float64, np.float32):
         q, k, v = (rng.standard_normal((2, 4, 40, 16)).astype(dtype) for _ in range(3))
-        explanations = [fastattn.explain(q, k, v, **kwargs) for kwargs in settings]
+        on_device = [to_device(x, device) for x in (q, k, v)]
+        explanations = [fastattn.explain(*on_device, **to_device(kwargs, device)) for kwargs in settings]
         if not any(e.reasons[backend] or e.backward_reasons[backend] for e in explanations):
             break
     else:
@@ -97,9 +108,14 @@ def test_garbage_in_hidden_keys_never_reaches_a_row(backend: str) -> None:
     k[:, :, 30:] = np.nan
     v[:, :, 30:] = np.inf
     k[1, :, 5], v[1, :, 5] = np.inf, np.nan
+    q, k, v = (to_device(x, device) for x in (q, k, v))
     for kwargs in settings:
+        kwargs = to_device(kwargs, device)
         out, lse = fastattn.attention(q, k, v, backend=backend, return_lse=True, **kwargs)
-        dq, dk, dv = fastattn.attention_backward(np.ones_like(out), q, k, v, out, lse, backend=backend, **kwargs)
+        dout = array_module(device).ones_like(out)
+        grads = fastattn.attention_backward(dout, q, k, v, out, lse, backend=backend, **kwargs)
+        dq, dk, dv = (to_host(x) for x in grads)
+        out, lse = to_host(out), to_host(lse)
         assert np.isfinite(out[:, :, :30]).all() and np.isfinite(lse[:, :, :30]).all()
         assert np.isfinite(dq[:, :, :30]).all()
         if "key_lengths" in kwargs:  # (under causal, rows 30+ see the NaN keys and poison every dK)
@@ -120,7 +136,7 @@ _LATE_MAXIMUM_SHAPES = {
 @pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "bfloat16"])
 @pytest.mark.parametrize("shape", list(_LATE_MAXIMUM_SHAPES.values()), ids=list(_LATE_MAXIMUM_SHAPES))
 def test_nan_at_a_key_that_underflows_against_a_later_maximum(
-    backend: str, shape, dtype: str, monkeypatch: pytest.MonkeyPatch
+    backend: str, device: str, shape, dtype: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A NaN in V at a key whose weight underflows to 0 against the row's maximum, which lies in a
     later key tile (and key split): the reference weighs every key against the final maximum, so
@@ -137,29 +153,29 @@ def test_nan_at_a_key_that_underflows_against_a_later_maximum(
     # so the flaw could not show); against the late key, e^-92, flushed; and the rescale of the early
     # tile's accumulator by ~e^-80 is not flushed, so a NaN kept there is not cleared by a factor 0.
     low, high = (-700.0, 100.0) if dtype == "float64" else (-11.0, 81.0)
-    got, want = _attend_with_set_scores(backend, shape[:5], dtype, {early: low, late: high}, nan_key=early)
+    got, want = _attend_with_set_scores(backend, device, shape[:5], dtype, {early: low, late: high}, nan_key=early)
     assert np.isfinite(to_host(want)).all(), "the reference's weight of the early key must be exactly 0"
     _assert_same("out", got, want, dtype)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "bfloat16"])
 @pytest.mark.parametrize("seq_q", [40, 1], ids=["prefill", "decode"])
-def test_nan_at_a_key_of_tiny_weight_reaches_the_row(backend: str, seq_q: int, dtype: str) -> None:
+def test_nan_at_a_key_of_tiny_weight_reaches_the_row(backend: str, device: str, seq_q: int, dtype: str) -> None:
     """A NaN in V at a key weighing ~e^-21 against the row's maximum (in the same key tile): the
     weight is above float32's flush (e^-87.3), so the NaN reaches every row, as in the reference,
     even where the kernel rounds P to float16, whose smallest weight is 2^-24 (~e^-16.6)."""
-    got, want = _attend_with_set_scores(backend, (1, 2, 2, seq_q, 64), dtype, {5: -20.0}, nan_key=5)
+    got, want = _attend_with_set_scores(backend, device, (1, 2, 2, seq_q, 64), dtype, {5: -20.0}, nan_key=5)
     assert np.isnan(to_host(want)[..., 3]).all(), "the reference must carry the tiny key's NaN to every row"
     _assert_same("out", got, want, dtype)
 
 
 def _attend_with_set_scores(
-    backend: str, shape: tuple[int, ...], dtype: str, scores: dict[int, float], nan_key: int
+    backend: str, device: str, shape: tuple[int, ...], dtype: str, scores: dict[int, float], nan_key: int
 ) -> tuple:
     """(backend's out, reference's out) of (batch, q heads, kv heads, query positions, keys) = shape,
     head_dim 32, scale 1, whose scores q.k are k[..., 0] (q[..., 0] = 1, the rest of q and k a
     perturbation of ~1e-3): uniform in [-1, 1] but at the keys of `scores` (key: score); a NaN in V
-    at nan_key, column 3.  Skips where the backend declines."""
+    at nan_key, column 3, on `device`.  Skips where the backend declines."""
     batch, heads, heads_kv, seq_q, seq_k = shape
     rng = np.random.default_rng()
     q = 0.03 * rng.standard_normal((batch, heads, seq_q, 32))
@@ -171,7 +187,7 @@ def _attend_with_set_scores(
         k[:, :, key, 0] = score
     v[:, :, nan_key, 3] = np.nan
     element = fastattn._arrays.numpy_dtype(dtype)
-    q, k, v = (array.astype(element) for array in (q, k, v))
+    q, k, v = (to_device(array.astype(element), device) for array in (q, k, v))
     reasons = fastattn.explain(q, k, v, scale=1.0).reasons[backend]
     if reasons:
         pytest.skip(f"{backend} declines: {reasons}")
