@@ -103,7 +103,8 @@ template <int HEAD_DIM, int ROWS> struct DecodeMerge {
     // Whether every output a float32 block wrote (out, or its split's partial_out where the split saw
     // a key) is finite; the block's threads together, all of them reaching it.
     static __device__ __forceinline__ bool written_finite(const Params& p, int b, int kvh, int row0, int packed_rows) {
-        bool finite = true;
+        bool bad = false;
+#pragma unroll 4
         for (int index = threadIdx.x; index < packed_rows * HEAD_DIM; index += kDecodeThreads) {
             const int r = index / HEAD_DIM, d = index % HEAD_DIM, packed = row0 + r;
             const int h = kvh * p.group + packed / p.seq_q, i = packed % p.seq_q;
@@ -114,9 +115,9 @@ template <int HEAD_DIM, int ROWS> struct DecodeMerge {
                 const long long row = partial_row(p, b, h, i);
                 if (p.partial_lse[row] != negative_infinity()) value = p.partial_out[row * HEAD_DIM + d];
             }
-            finite = finite && !not_finite(value);
+            bad |= not_finite(value);
         }
-        return !__syncthreads_or(!finite);
+        return !__syncthreads_or(bad);
     }
 };
 

@@ -129,10 +129,12 @@ __global__ void __launch_bounds__(kFp32Threads, DROPOUT ? 1 : 0) fp32_forward(co
     const int ty = threadIdx.x / 16, tx = threadIdx.x % 16;
     if constexpr (RERUN) {
         const int rows = min(BM, p.seq_q - m0);
-        bool finite = true;
+        // (No short-circuit: each load is issued whatever the ones before it held.)
+        bool bad = false;
+#pragma unroll 4
         for (int index = threadIdx.x; index < rows * p.head_dim_v; index += kFp32Threads)
-            finite = finite && !not_finite(p.out.row<const float>(b, h, m0 + index / p.head_dim_v)[index % p.head_dim_v]);
-        if (!__syncthreads_or(!finite)) return;
+            bad |= not_finite(p.out.row<const float>(b, h, m0 + index / p.head_dim_v)[index % p.head_dim_v]);
+        if (!__syncthreads_or(bad)) return;
     }
     int lo, hi;
     p.rules.key_range(b, p.seq_k, m0, min(m0 + BM, p.seq_q) - 1, &lo, &hi);
