@@ -121,6 +121,25 @@ template <int HEAD_DIM, int ROWS> struct DecodeMerge {
     }
 };
 
+// The second walks' scores-only pass over a row's keys: streams the K/V tiles of keys [first, last)
+// through the two stages at `stages` and calls visit(kt, stage) on each once it is loaded, a block
+// barrier after each; returns with every copy landed and the stages free.
+template <typename Elem, int HEAD_DIM, int BLOCK_N, typename Visit>
+__device__ __forceinline__ void visit_key_tiles(const Params& p, Elem* stages, int b, int kvh, int first, int last,
+                                                Visit visit) {
+    const KeyValueStream<Elem, HEAD_DIM, BLOCK_N, kDecodeThreads> every_key{p, stages, b, kvh, last};
+    if (first < last) every_key.load(0, first);
+    cp_async_commit();
+    int stage = 0;
+    for (int kt = first; kt < last; kt += BLOCK_N, stage ^= 1) {
+        every_key.next(kt, stage);
+        visit(kt, stage);
+        __syncthreads();
+    }
+    cp_async_wait<0>();
+    __syncthreads();
+}
+
 // ---- float16 / bfloat16: tensor cores -----------------------------------------------------------
 //
 // One block: the 16 packed rows (zero past the pack; their results are never written) against a
@@ -231,25 +250,17 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) flash_decode(const __grid_c
     auto row_maxima = [&] {
         int first, last;
         p.rules.key_range(b, p.seq_k, 0, seq_q - 1, &first, &last);
-        const KeyValueStream<Elem, HEAD_DIM, kBlockN, kDecodeThreads> every_key{p, stages, b, kvh, last};
-        if (first < last) every_key.load(0, first);
-        cp_async_commit();
-        int stage = 0;
-        for (int kt = first; kt < last; kt += kBlockN, stage ^= 1) {
-            every_key.next(kt, stage);
+        visit_key_tiles<Elem, HEAD_DIM, kBlockN>(p, stages, b, kvh, first, last, [&](int kt, int stage) {
             float s[kKeyBlocks][4];
             zero(s);
-            warp_product_nt<Elem, HEAD_DIM, kKeyBlocks>(s, q_tile, every_key.k_tile(stage) + warp * kWarpKeys * kRow,
-                                                        kRow, lane);
+            warp_product_nt<Elem, HEAD_DIM, kKeyBlocks>(s, q_tile, stream.k_tile(stage) + warp * kWarpKeys * kRow, kRow,
+                                                        lane);
             rule.template tile_log2_scores<true, SOFTCAP>(s, b, heads, positions, kt + warp * kWarpKeys + pair, last);
 #pragma unroll
             for (int nb = 0; nb < kKeyBlocks; ++nb)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) row_max[e / 2] = fmaxf(row_max[e / 2], s[nb][e]);
-            __syncthreads();
-        }
-        cp_async_wait<0>();
-        __syncthreads();
+        });
         float* maxima = reinterpret_cast<float*>(stages);  // [warps][kRows]
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
@@ -618,19 +629,11 @@ __global__ void __launch_bounds__(kDecodeThreads, RERUN || HEAD_DIM == 256 ? 1 :
         p.rules.key_range(b, p.seq_k, 0, seq_q - 1, &first, &last);
         const int split_hi = hi;
         hi = last;
-        const KeyValueStream<float, HEAD_DIM, kBlockN, kDecodeThreads> every_key{p, stages, b, kvh, last};
-        if (first < last) every_key.load(0, first);
-        cp_async_commit();
-        int at = 0;
-        for (int key0 = first; key0 < last; key0 += kBlockN, at ^= 1) {
-            every_key.next(key0, at);
-            const Floats<kLaneRows> score = tile_scores(Flag<true>{}, key0, at);
+        visit_key_tiles<float, HEAD_DIM, kBlockN>(p, stages, b, kvh, first, last, [&](int kt, int stage) {
+            const Floats<kLaneRows> score = tile_scores(Flag<true>{}, kt, stage);
 #pragma unroll
             for (int i = 0; i < kLaneRows; ++i) row_max[i] = fmaxf(row_max[i], score[i]);
-            __syncthreads();
-        }
-        cp_async_wait<0>();
-        __syncthreads();
+        });
         hi = split_hi;
         float* maxima = stages;  // [warps][ROWS]
 #pragma unroll
