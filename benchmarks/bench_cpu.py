@@ -5,7 +5,9 @@ each, ``--repeats`` rounds time every implementation in turn (after a pause, unt
 ``--warmup-ms``, then the mean of back-to-back calls over ``--timed-ms``), and each quotes its median
 (a noisy neighbour then slows all of them alike).  A float32 case that is not a decode also times
 the sgemm in its rounds, and its "of sgemm" is against that one; a decode, two streaming reads of its
-bytes, and its "of read" is against the faster.  The same run measures the machine's ceilings: the
+bytes, and its "of read" is against the faster, and a third read that also does the FMAs the
+decode's FLOPs need ("read + its FMAs": what a one-pass kernel could reach on a core that overlaps
+arithmetic and memory only in part; "of read+FMAs" in the summary).  The same run measures the machine's ceilings: the
 best sgemm (numpy's under this environment's OpenBLAS, numpy's again in a child process without
 ``OPENBLAS_CORETYPE``/``OPENBLAS_L2_SIZE`` when either is set, torch's), and, through
 ``machine_ceilings.c`` compiled with ``-march=native``, the float32 FMA peak of a register-only loop
@@ -291,6 +293,10 @@ def _machine_ceilings() -> Any:
     native.fma_peak_gflops.restype = native.read_gbytes_per_s.restype = ctypes.c_double
     native.fma_peak_gflops.argtypes = [ctypes.c_long, ctypes.c_int]
     native.read_gbytes_per_s.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_long]
+    native.read_with_fmas_gbytes_per_s.restype = ctypes.c_double
+    native.read_with_fmas_gbytes_per_s.argtypes = [
+        ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_long, ctypes.c_int,
+    ]
     return native
 
 
@@ -300,6 +306,14 @@ def _machine_ceilings() -> Any:
 STREAMING_READ = "streaming read"
 STREAMING_READ_AHEAD = "read, prefetch ahead"
 READ_AHEAD_BYTES = 16384
+#: The row of a decode case that streams the same bytes (prefetching READ_AHEAD_BYTES ahead) and
+#: feeds each loaded vector the FMAs the case's FLOPs need per vector of its K and V
+#: (``fmas_per_vector``): not a ceiling of the "of read" column but what any one-pass kernel that
+#: does that arithmetic could reach on this core.  A 2-core Xeon model 207 overlaps the two so
+#: little that 8 FMAs a 64-byte vector (a bfloat16 C6's) streamed at ~0.85 of the read and 32
+#: (C6q4's) at ~0.58, where the FMAs alone take 33% and 133% of the read's time at the FMA peak.
+STREAMING_READ_FMAS = "read + its FMAs"
+STREAMING_ROWS = (STREAMING_READ, STREAMING_READ_AHEAD, STREAMING_READ_FMAS)
 #: The row of a float32 compute case (Sq > DECODE_ROWS) that times the ceiling's sgemm in the case's
 #: own rounds (``same_round_sgemm``): its "of sgemm" is then measured under the same conditions.  The
 #: 2-core VMs' hosts slow everything by 10-40% for minutes at a time, and against the sgemm of the
@@ -311,17 +325,28 @@ SAME_ROUND_SGEMM = "sgemm"
 FLOAT32_BASELINE = "fastattn cpu float32"
 
 
-def streaming_read(nbytes: int, threads: int, ahead_bytes: int = 0) -> Callable[[], Any] | None:
+def streaming_read(nbytes: int, threads: int, ahead_bytes: int = 0, fmas_per_vector: int = 0) -> Callable[[], Any] | None:
     """A runner of machine_ceilings.c's streaming sum over a fresh buffer of ``nbytes`` on ``threads``
-    threads, prefetching ``ahead_bytes`` ahead where > 0 (None without the library): timed in a
-    decode case's rounds, it is the read bandwidth of the same bytes under the same conditions (the
-    host's bandwidth drifts by tens of percent over minutes, so a ceiling measured before the cases
-    can differ from the one the case met)."""
+    threads, prefetching ``ahead_bytes`` ahead where > 0, with ``fmas_per_vector`` multiply-adds on
+    each loaded vector where > 0 (None without the library): timed in a decode case's rounds, it is
+    the read bandwidth of the same bytes under the same conditions (the host's bandwidth drifts by
+    tens of percent over minutes, so a ceiling measured before the cases can differ from the one the
+    case met)."""
     native = _machine_ceilings()
     if native is None:
         return None
     buffer = np.ones(nbytes // 4, dtype=np.float32)
+    if fmas_per_vector > 0:
+        return lambda: native.read_with_fmas_gbytes_per_s(
+            buffer.ctypes.data, buffer.size, threads, ahead_bytes, fmas_per_vector
+        )
     return lambda: native.read_gbytes_per_s(buffer.ctypes.data, buffer.size, threads, ahead_bytes)
+
+
+def fmas_per_vector(flops: float, kv_bytes: int) -> int:
+    """The vector FMAs a decode's ``flops`` need per float32 vector of its ``kv_bytes`` (any width: a
+    vector of L lanes holds 4 L bytes and an FMA does 2 L FLOPs), rounded, at least 1."""
+    return max(1, round(2 * flops / kv_bytes))
 
 
 def same_round_sgemm(torch: Any, ceiling: dict[str, float]) -> Callable[[], Any]:
@@ -485,9 +510,7 @@ def run_case(
     q, k, v, dout = laid_out(layout, *(x.astype(DTYPES[dtype]) for x in drawn))
     mask = make_mask(mask_kind, batch, heads_q, seq_q, seq_k, DTYPES[dtype])
     flops = forward_flops(batch, heads_q, seq_q, seq_k, dim, causal) * (3.5 if direction == "forward+backward" else 1)
-    kv_bytes = {
-        label: k.nbytes + v.nbytes for label in (*impls, "fastattn cpu unmasked", STREAMING_READ, STREAMING_READ_AHEAD)
-    }
+    kv_bytes = {label: k.nbytes + v.nbytes for label in (*impls, "fastattn cpu unmasked", *STREAMING_ROWS)}
     print(f"  {name} {direction}" + ("" if mask is None else f" mask {mask_kind}") +
           ("" if layout == "bhsd" else f" layout {layout}"), file=sys.stderr, flush=True)
     runs = {label: make(q, k, v, dout, causal, mask, layout) for label, make in impls.items()}
@@ -499,8 +522,10 @@ def run_case(
         runs[FLOAT32_BASELINE] = impls["fastattn cpu"](*baseline, causal, float32_mask, layout)
         kv_bytes[FLOAT32_BASELINE] = baseline[1].nbytes + baseline[2].nbytes
     if direction == "forward" and seq_q <= DECODE_ROWS and "fastattn cpu" in impls:
-        for label, ahead in ((STREAMING_READ, 0), (STREAMING_READ_AHEAD, READ_AHEAD_BYTES)):
-            read = streaming_read(kv_bytes[label], fastattn.get_num_threads(), ahead)
+        work = fmas_per_vector(flops, kv_bytes[STREAMING_READ_FMAS])
+        for label, ahead, fmas in ((STREAMING_READ, 0, 0), (STREAMING_READ_AHEAD, READ_AHEAD_BYTES, 0),
+                                   (STREAMING_READ_FMAS, READ_AHEAD_BYTES, work)):
+            read = streaming_read(kv_bytes[label], fastattn.get_num_threads(), ahead, fmas)
             if read is not None:
                 runs[label] = read
     if sgemm is not None and seq_q > DECODE_ROWS:
@@ -517,7 +542,7 @@ def run_case(
             "layout": layout,
             "implementation": label,
             "median_ms": 1e3 * seconds,
-            "gflops": None if label in (STREAMING_READ, STREAMING_READ_AHEAD) else rates[label],
+            "gflops": None if label in STREAMING_ROWS else rates[label],
             "kv_gbytes_per_s": kv_bytes[label] / seconds / 1e9 if label in kv_bytes else None,
         }
         for label, seconds in medians.items()
@@ -614,9 +639,10 @@ def format_table(rows: list[dict[str, Any]], ceiling: dict[str, float], dtype: s
 
 def summary(rows: list[dict[str, Any]]) -> dict[str, float]:
     """fastattn / torch time ratios per (case, pass); for masked cases, per mask, the masked /
-    unmasked time ("cost"); for decodes the share of the streaming read ("of read"); for half
-    precisions float32's time over the dtype's ("vs float32"); for cases with an sgemm in their
-    rounds fastattn's GFLOP/s over its ("of sgemm"); geomeans and minima over the unmasked C1-C5."""
+    unmasked time ("cost"); for decodes the share of the streaming read ("of read") and of the read
+    with the decode's FMAs ("of read+FMAs"); for half precisions float32's time over the dtype's ("vs
+    float32"); for cases with an sgemm in their rounds fastattn's GFLOP/s over its ("of sgemm");
+    geomeans and minima over the unmasked C1-C5."""
     by_key = {(_key(r), r["implementation"]): r["median_ms"] for r in rows}
     rate = {(_key(r), r["implementation"]): r["gflops"] for r in rows}
     ratios: dict[str, float] = {}
@@ -630,6 +656,8 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, float]:
         reads = [by_key[(key, read)] for read in (STREAMING_READ, STREAMING_READ_AHEAD) if (key, read) in by_key]
         if label == "fastattn cpu" and reads:
             ratios[f"{name} of read"] = min(reads) / ms
+        if label == "fastattn cpu" and (key, STREAMING_READ_FMAS) in by_key:
+            ratios[f"{name} of read+FMAs"] = by_key[(key, STREAMING_READ_FMAS)] / ms
         if label == "fastattn cpu" and (key, FLOAT32_BASELINE) in by_key:
             ratios[f"{name} vs float32"] = by_key[(key, FLOAT32_BASELINE)] / ms
         if label == "fastattn cpu" and (key, SAME_ROUND_SGEMM) in rate:
