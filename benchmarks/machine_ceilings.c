@@ -70,9 +70,9 @@ static inline void prefetch_ahead(const char* block_start, size_t block_bytes, l
 /* The FMAs of read_with_fmas_gbytes_per_s go round WORK_CHAINS chains in fixed registers (with the
  * step's four vectors and the scale: 17 of 32 zmm, 13 of 16 ymm), enough to keep two FMA pipes of
  * 4-cycle latency busy.  A step's 4 fmas FMAs run as rounds over all chains (each vector on a
- * fixed share), then four or eight more (one or two on each vector: fma_walk).  With each vector's FMAs on
- * three chains of its own instead, the first vector's ran one after another while the scheduler
- * had not yet reached the next one's, and 128 FMAs a vector ran at half the FMA peak. */
+ * fixed share), then four or eight more (one or two on each vector: fma_walk).  With each vector's
+ * FMAs on three chains of its own instead, the first vector's ran one after another while the
+ * scheduler had not yet reached the next one's, and 128 FMAs a vector ran at half the FMA peak. */
 #if defined(__AVX512F__)
 enum { WORK_CHAINS = 12 };
 #else
@@ -90,18 +90,18 @@ static inline __attribute__((always_inline)) vec pick(int i, vec a, vec b, vec c
     return i == 0 ? a : i == 1 ? b : i == 2 ? c : d;
 }
 
-/* One thread's blocks [first, last) with `rounds` rounds of FMAs over the chains and `rest` (0, 4 or
- * 8, a constant where it is inlined: a run-time count left the chains in memory between steps)
- * more, a step at a time; the chains' sum into *total. */
-static inline void fma_walk(const float* data, size_t first, size_t last, long ahead_bytes, int rounds, int rest,
-                            vec* total) {
+/* One thread's blocks [first, last) of the buffer ending at `end`, a step at a time, with `rounds`
+ * rounds of FMAs over the chains and `rest` more (0, 4 or 8, a constant where it is inlined: a
+ * run-time count left the chains in memory between steps); the chains' sum into *total. */
+static inline void fma_walk(const float* data, size_t first, size_t last, const char* end, long ahead_bytes,
+                            int rounds, int rest, vec* total) {
     const size_t block_bytes = 4 * VECTOR_BYTES;
     const char* bytes = (const char*)data;
     vec work[WORK_CHAINS];
     for (int c = 0; c < WORK_CHAINS; ++c) work[c] = (vec){};
     const vec scale = (vec){} + 0.999999f;
     for (size_t block = first; block < last; ++block) {
-        prefetch_ahead(bytes + block * block_bytes, block_bytes, ahead_bytes, bytes + last * block_bytes);
+        prefetch_ahead(bytes + block * block_bytes, block_bytes, ahead_bytes, end);
         const float* at = data + 4 * block * LANES;
         const vec v0 = load_vec(at), v1 = load_vec(at + LANES);
         const vec v2 = load_vec(at + 2 * LANES), v3 = load_vec(at + 3 * LANES);
@@ -128,24 +128,21 @@ static inline double stream(const float* data, size_t count, int threads, long a
         const size_t n = (size_t)omp_get_num_threads(), t = (size_t)omp_get_thread_num();
         const size_t first = blocks * t / n, last = blocks * (t + 1) / n;
         const char* bytes = (const char*)data;
+        const char* end = bytes + blocks * block_bytes;
         vec total = (vec){};
         if (fmas == 0) {
             vec acc[4] = {{}, {}, {}, {}}; /* four accumulators */
             for (size_t block = first; block < last; ++block) {
-                prefetch_ahead(bytes + block * block_bytes, block_bytes, ahead_bytes, bytes + blocks * block_bytes);
-                for (int u = 0; u < 4; ++u) {
-                    vec v;
-                    __builtin_memcpy(&v, data + (4 * block + u) * LANES, sizeof(vec));
-                    acc[u] += v;
-                }
+                prefetch_ahead(bytes + block * block_bytes, block_bytes, ahead_bytes, end);
+                for (int u = 0; u < 4; ++u) acc[u] += load_vec(data + (4 * block + u) * LANES);
             }
             total = (acc[0] + acc[1]) + (acc[2] + acc[3]);
         } else if (rest == 0) {
-            fma_walk(data, first, last, ahead_bytes, rounds, 0, &total);
+            fma_walk(data, first, last, end, ahead_bytes, rounds, 0, &total);
         } else if (rest == 4) {
-            fma_walk(data, first, last, ahead_bytes, rounds, 4, &total);
+            fma_walk(data, first, last, end, ahead_bytes, rounds, 4, &total);
         } else {
-            fma_walk(data, first, last, ahead_bytes, rounds, 8, &total);
+            fma_walk(data, first, last, end, ahead_bytes, rounds, 8, &total);
         }
         for (int lane = 0; lane < LANES; ++lane) sink += total[lane];
     }
