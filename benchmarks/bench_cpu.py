@@ -7,11 +7,11 @@ each, ``--repeats`` rounds time every implementation in turn (after a pause, unt
 the sgemm in its rounds, and its "of sgemm" is against that one; a decode, two streaming reads of its
 bytes, and its "of read" is against the faster, and a third read that also does the FMAs the
 decode's FLOPs need ("read + its FMAs": what a one-pass kernel could reach on a core that overlaps
-arithmetic and memory only in part; "of read+FMAs" in the summary).  The same run measures the machine's ceilings: the
-best sgemm (numpy's under this environment's OpenBLAS, numpy's again in a child process without
-``OPENBLAS_CORETYPE``/``OPENBLAS_L2_SIZE`` when either is set, torch's), and, through
-``machine_ceilings.c`` compiled with ``-march=native``, the float32 FMA peak of a register-only loop
-and the DRAM read bandwidth, all on the same threads.  Each row shows its ratio to torch and to
+arithmetic and memory only in part; "of read+FMAs" in the summary).  The same run measures the
+machine's ceilings: the best sgemm (numpy's under this environment's OpenBLAS, numpy's again in a
+child process without ``OPENBLAS_CORETYPE``/``OPENBLAS_L2_SIZE`` when either is set, torch's), and,
+through ``machine_ceilings.c`` compiled with ``-march=native``, the float32 FMA peak of a
+register-only loop and the DRAM read bandwidth, all on the same threads.  Each row shows its ratio to torch and to
 those ceilings; the JSON names the CPU (model, family, ISA flags) and the kernels' level.
 ``--dtype bfloat16`` (or ``float16``) times the same cases in that dtype, against torch's SDPA in
 it, with torch's gemm in that dtype as the gemm ceiling, or sgemm where that is faster (numpy naive
@@ -325,10 +325,10 @@ SAME_ROUND_SGEMM = "sgemm"
 FLOAT32_BASELINE = "fastattn cpu float32"
 
 
-def streaming_read(nbytes: int, threads: int, ahead_bytes: int = 0, fmas_per_vector: int = 0) -> Callable[[], Any] | None:
+def streaming_read(nbytes: int, threads: int, ahead_bytes: int = 0, fmas: int = 0) -> Callable[[], Any] | None:
     """A runner of machine_ceilings.c's streaming sum over a fresh buffer of ``nbytes`` on ``threads``
-    threads, prefetching ``ahead_bytes`` ahead where > 0, with ``fmas_per_vector`` multiply-adds on
-    each loaded vector where > 0 (None without the library): timed in a decode case's rounds, it is
+    threads, prefetching ``ahead_bytes`` ahead where > 0, with ``fmas`` multiply-adds on each loaded
+    vector where > 0 (None without the library): timed in a decode case's rounds, it is
     the read bandwidth of the same bytes under the same conditions (the host's bandwidth drifts by
     tens of percent over minutes, so a ceiling measured before the cases can differ from the one the
     case met)."""
@@ -336,10 +336,8 @@ def streaming_read(nbytes: int, threads: int, ahead_bytes: int = 0, fmas_per_vec
     if native is None:
         return None
     buffer = np.ones(nbytes // 4, dtype=np.float32)
-    if fmas_per_vector > 0:
-        return lambda: native.read_with_fmas_gbytes_per_s(
-            buffer.ctypes.data, buffer.size, threads, ahead_bytes, fmas_per_vector
-        )
+    if fmas > 0:
+        return lambda: native.read_with_fmas_gbytes_per_s(buffer.ctypes.data, buffer.size, threads, ahead_bytes, fmas)
     return lambda: native.read_gbytes_per_s(buffer.ctypes.data, buffer.size, threads, ahead_bytes)
 
 
