@@ -3,8 +3,8 @@
  * fma_peak_gflops: float32 multiply-adds on registers only, on every thread.  Each thread runs
  * CHAINS independent chains acc = acc * a + b on the widest vectors the compiler targets; CHAINS
  * covers FMA latency x FMA pipes on the cores we meet (4 cycles x 2 pipes = 8 in flight) and fits
- * the register file (12 of 32 zmm with AVX-512, 10 of 16 ymm or xmm otherwise), so nothing waits on memory
- * or on a previous result.
+ * the register file (12 of 32 zmm with AVX-512, 10 of 16 ymm or xmm otherwise), so nothing waits on
+ * memory or on a previous result.
  *
  * read_gbytes_per_s: every thread sums its share of a buffer far larger than the caches, vector
  * loads with several accumulators: the DRAM read bandwidth a K/V-streaming decode can reach.  With
@@ -15,9 +15,9 @@
  *
  * read_with_fmas_gbytes_per_s: the same walk (prefetching ahead_bytes ahead), each loaded vector
  * also feeding fmas_per_vector multiply-adds (stream, below), so they wait on the load and on the
- * FMA pipes but not on one another.  It is what a one-pass kernel that does that
- * much arithmetic per byte could stream at best: a decode's ceiling that counts its arithmetic
- * (bench_cpu.py gives a decode the FMAs its FLOPs need per vector of its K and V, 2 FLOPs / bytes).
+ * FMA pipes but not on one another.  It is what a one-pass kernel that does that much arithmetic
+ * per byte could stream at best: a decode's ceiling that counts its arithmetic (bench_cpu.py gives
+ * a decode the FMAs its FLOPs need per vector of its K and V, 2 FLOPs / bytes).
  * Cores that overlap arithmetic and memory only in part show it below the plain read even where
  * the FMAs alone would take far less time than the bytes (2-core Xeon model 207: 8 FMAs a 64-byte
  * vector, a bfloat16 C6's, a third of the read's time at the FMA peak, streamed at ~0.85 of it).
