@@ -1135,16 +1135,18 @@ static inline void softmax_rows(const FwdParams& p, T* s, int64_t N, int rows, i
         const T new_max = std::max(row_max[r], tile_max);
         const T shift = new_max == neg_inf ? T(0) : new_max;
         const T alpha = row_max[r] == neg_inf ? T(0) : std::exp(row_max[r] - shift);
-        const V vshift = vbroadcast(shift);
+        /* exp(s - shift) = 2^(s log2(e) - shift log2(e)): one FMA and vexp2_softmax. */
+        const T shift2 = shift * kLog2e<T>;
+        const V log2e = vbroadcast(kLog2e<T>), vshift2 = vbroadcast(shift2);
         V total = V{};
         for (j = 0; j + L <= n; j += L) {
-            const V prob = vexp(vload<V>(row + j) - vshift);
+            const V prob = vexp2_softmax(vload<V>(row + j) * log2e - vshift2);
             vstore(row + j, prob);
             total += prob;
         }
         T tail = 0;
         for (; j < n; ++j) {
-            row[j] = row[j] == neg_inf ? T(0) : std::exp(row[j] - shift);
+            row[j] = row[j] == neg_inf ? T(0) : std::exp2(row[j] * kLog2e<T> - shift2);
             tail += row[j];
         }
         row_sum[r] = row_sum[r] * alpha + vsum<T>(total) + tail;
