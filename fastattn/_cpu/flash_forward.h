@@ -608,7 +608,9 @@ template <typename T> static inline T* converted_values(const FwdParams& p, int6
 
 /* K and V rows of a tile in the compute type: the caller's memory read in place, the copies made
  * once per call, or (float16 and bfloat16 inputs otherwise) a converted copy in scratch.
- * forward_block takes K alone (load_keys) where it reads V rows in place (add_weighted_values). */
+ * forward_block takes K alone (load_keys) where it reads V rows in place (add_weighted_values) and K
+ * is in the compute type; float16/bfloat16 K there goes a block of keys at a time
+ * (qk_converting_blocks). */
 template <typename T, typename In> struct KvTile {
     const T* k;
     const T* v;
@@ -619,15 +621,13 @@ template <typename T, typename In> struct KvTile {
         return kConvertsKvOnce && !std::is_same<T, In>::value && p.packed_kv != nullptr;
     }
 
-    /* pairs: K rows converted in pair order (reads_kv_in_pairs). */
-    void load_keys(const FwdParams& p, int64_t b, int64_t kvh, int64_t kt, int64_t n, T* k_converted,
-                   bool pairs = false) {
+    void load_keys(const FwdParams& p, int64_t b, int64_t kvh, int64_t kt, int64_t n, T* k_converted) {
         if (converted_once(p)) {
             k = converted_keys<T>(p, b, kvh) + kt * p.head_dim;
             k_stride = p.head_dim;
             return;
         }
-        k = rows(p.k, p.k_stride, p.head_dim, b, kvh, kt, n, k_converted, &k_stride, pairs);
+        k = rows(p.k, p.k_stride, p.head_dim, b, kvh, kt, n, k_converted, &k_stride);
     }
     void load(const FwdParams& p, int64_t b, int64_t kvh, int64_t kt, int64_t n, T* k_converted, T* v_converted) {
         load_keys(p, b, kvh, kt, n, k_converted);
@@ -655,21 +655,13 @@ template <typename T, typename In> struct KvTile {
   private:
     /* n rows of `width` elements from key kt of (b, kvh) in `base`, where they lie or converted. */
     static const T* rows(const char* base, const int64_t* stride, int64_t width, int64_t b, int64_t kvh, int64_t kt,
-                         int64_t n, T* converted, int64_t* row_stride, bool pairs = false) {
+                         int64_t n, T* converted, int64_t* row_stride) {
         const In* first = at<In>(base, b * stride[0] + kvh * stride[1] + kt * stride[2]);
         if constexpr (std::is_same<T, In>::value) {
             *row_stride = stride[2];
             return first;
         } else {
-            for (int64_t j = 0; j < n; ++j) {
-                if constexpr (reads_in_pair_order<T, In>()) {
-                    if (pairs) {
-                        convert_row_in_pairs(first + j * stride[2], converted + j * width, width);
-                        continue;
-                    }
-                }
-                convert_row(first + j * stride[2], converted + j * width, width);
-            }
+            for (int64_t j = 0; j < n; ++j) convert_row(first + j * stride[2], converted + j * width, width);
             *row_stride = width;
             return converted;
         }
@@ -856,6 +848,39 @@ __attribute__((noinline)) static void spread_scores_tile(int64_t n, const T* k, 
     if (j < n) Blocked<T, 1>::qk_all(n - j, k + j * k_stride, k_stride, qp, D, s + j * mp, mp);
 }
 
+/* S[j][rows] = K Qp^T for `count` float16/bfloat16 keys (k, rows k_stride apart) of one block of
+ * rows, each block of kMainMR keys converted into k_block (kMainMR x D, in pair order with `pairs`)
+ * just before its scores.  A whole converted tile (64 KiB at D=128, 128 keys) outgrew L1: the
+ * conversion's stores waited on L2 (12% of a 16-row decode's samples, 2-core Xeon model 207), and
+ * the scores read the tile back from L2.  In cache (B1, 16 rows, 128 against 384 keys, one thread,
+ * 25 builds alternated): 115.8 -> 108.5 ns a key by the median, 51.8 -> 38.5 by the best.
+ * between() runs before each full block. */
+template <typename T, typename In, int NV, typename Between>
+static void qk_converting_blocks(int64_t count, const In* k, int64_t k_stride, bool pairs, T* k_block, const T* qp,
+                                 int64_t D, T* s, int64_t mp, Between&& between) {
+    auto convert = [&](int64_t first, int64_t keys) {
+        for (int64_t m = 0; m < keys; ++m) {
+            if constexpr (reads_in_pair_order<T, In>()) {
+                if (pairs) {
+                    convert_row_in_pairs(k + (first + m) * k_stride, k_block + m * D, D);
+                    continue;
+                }
+            }
+            convert_row(k + (first + m) * k_stride, k_block + m * D, D);
+        }
+    };
+    int64_t j = 0;
+    for (; j + kMainMR <= count; j += kMainMR) {
+        between();
+        convert(j, kMainMR);
+        Blocked<T, NV>::template qk<kMainMR>(k_block, D, qp, D, s + j * mp, mp);
+    }
+    if (j < count) {
+        convert(j, count - j);
+        Blocked<T, NV>::qk_all(count - j, k_block, D, qp, D, s + j * mp, mp);
+    }
+}
+
 template <typename T, typename In, int NV>
 static void forward_block(const FwdParams& p, T* scratch, int64_t b, int64_t kvh, int64_t q0, int64_t qn,
                           int64_t k_begin, int64_t k_end, T* partial_out, T* partial_lse) {
@@ -878,6 +903,8 @@ static void forward_block(const FwdParams& p, T* scratch, int64_t b, int64_t kvh
     /* bfloat16 K and V rows by row in pair order (1 instruction per L elements where widening takes
      * 2), Qp's depths and O's columns held in it. */
     const bool pairs = o_by_row && reads_kv_in_pairs<T, In>(p);
+    /* Half-precision K of one row block converted kMainMR keys at a time (qk_converting_blocks). */
+    const bool keys_by_block = o_by_row && !std::is_same<T, In>::value;
 
     T* qp = scratch;
     T* s = qp + mp * D;
@@ -914,10 +941,10 @@ static void forward_block(const FwdParams& p, T* scratch, int64_t b, int64_t kvh
             const int64_t n = std::min(N, hi - kt);
             if (p.mask_kind != MASK_NONE && mask_hides_tile(p, b, kvh, q0, qn, kt, n)) continue;
             KvTile<T, In> tile;
-            if (o_by_row)
-                tile.load_keys(p, b, kvh, kt, n, k_converted, pairs);
-            else
+            if (!o_by_row)
                 tile.load(p, b, kvh, kt, n, k_converted, v_converted);
+            else if (!keys_by_block)
+                tile.load_keys(p, b, kvh, kt, n, k_converted);
             const In* v_rows = at<In>(p.v, b * p.v_stride[0] + kvh * p.v_stride[1] + kt * p.v_stride[2]);
 
             /* The next tile's K and V rows and this tile's mask rows go to the prefetcher spread over
@@ -965,10 +992,15 @@ static void forward_block(const FwdParams& p, T* scratch, int64_t b, int64_t kvh
                                               [&] { ahead.issue(lines_per_score_call); });
                 }
             }
-            if (!spread_scores)
+            if (keys_by_block) {
+                const In* keys = at<In>(p.k, b * p.k_stride[0] + kvh * p.k_stride[1] + kt * p.k_stride[2]);
+                qk_converting_blocks<T, In, NV>(row_block_keys(p, q0, qn, rows, 0, RB, kt, n), keys, p.k_stride[2],
+                                                pairs, k_converted, qp, D, s, mp, issue_scores_share);
+            } else if (!spread_scores) {
                 for (int64_t rb = 0; rb < mp; rb += RB)
                     Blocked<T, NV>::qk_all(row_block_keys(p, q0, qn, rows, rb, RB, kt, n), tile.k, tile.k_stride,
                                            qp + rb * D, D, s + rb, mp, issue_scores_share);
+            }
 
             finish_scores<T>(p, s, nullptr, mp, rows, n, kt, b, kvh, q0, qn, position, T(1));
 
