@@ -26,8 +26,9 @@
  * slower for fp32 tiles of two row blocks (C3, C5, 64-row decodes), and with 16 registers (4 x 2
  * or 4 x 3 blocks) 8-35% slower everywhere (forward_block's o_by_row).  K is read in place when the
  * input is the compute type; float16/bfloat16 K and V are converted once per call for all query
- * blocks where a kv head has several (converts_kv_once), else K tiles are converted into scratch
- * (the decode path, DotKernel, converts K and V in registers).  bfloat16 rows whose D and Dv are
+ * blocks where a kv head has several (converts_kv_once), else K tiles are converted into scratch,
+ * a block of kMainMR keys at a time where O is kept by row (qk_converting_blocks) (the decode path,
+ * DotKernel, converts K and V in registers).  bfloat16 rows whose D and Dv are
  * pair blocks are read in pair order by the decode and by forward_block's O-by-row tiles
  * (load_pair_order, reads_kv_in_pairs: one instruction per vector where widening takes two, q or
  * Qp's depths and O's columns held in that order).  On a 2-core Xeon model 207: C6 bfloat16 ~5%
