@@ -147,7 +147,11 @@ _kernel_sources = [
     "fastattn/_cpu/kernels.cpp",
 ]
 _kernel_headers = [
+    "fastattn/_cpu/forward_tiles.h",
+    "fastattn/_cpu/micro_kernels.h",
     "fastattn/_cpu/flash_forward.h",
+    "fastattn/_cpu/flash_decode.h",
+    "fastattn/_cpu/forward_items.h",
     "fastattn/_cpu/flash_amx.h",
     "fastattn/_cpu/flash_bf16.h",
     "fastattn/_cpu/flash_backward.h",

@@ -1,6 +1,6 @@
 """The one table of the integer codes that Python hands to the compiled kernels.
 
-The CPU kernels (``fastattn/_cpu/flash_forward.h``: ``DtypeCode``, ``MaskKind``) and the CUDA kernels
+The CPU kernels (``fastattn/_cpu/params.h``: ``DtypeCode``, ``MaskKind``) and the CUDA kernels
 (``fastattn/_gpu/kernels/common.cuh``: ``MaskKind``) declare the same numbers as C enums;
 ``tests/test_codes.py`` parses both headers and checks them against this table, so the three cannot
 disagree.  A backend that does not read some kind (the GPU kernels take no float64 mask) declines it

@@ -320,7 +320,7 @@ CONVERTED_KV_CASES = {
 def test_half_precision_keys_and_values_converted_once_match_oracle(options, dtype, threads) -> None:
     """float16/bfloat16 prefills (2 kv heads of group 2, 300 positions: ten query blocks a head) on
     the vector kernels convert K and V to float32 once per call, before the items
-    (``converts_kv_once`` in fastattn/_cpu/flash_forward.h): every level but amx, and at the
+    (``converts_kv_once`` in fastattn/_cpu/forward_items.h): every level but amx, and at the
     avx512bf16 level float16 only (bfloat16 runs on ``vdpbf16ps`` there)."""
     case = _bfloat16_case(options, dtype=dtype)
     plan = cpu_backend.forward_plan(_problem_of(case), 2)

@@ -7,7 +7,8 @@ A plan (:class:`ForwardPlan`, :class:`BackwardPlan`) fills the kernels' paramete
 one plan per problem, so a repeated call only copies that struct, sets the arrays' addresses and
 strides (numpy's C API: no Python objects are made), and runs the work items in OpenMP ``prange``
 loops with the GIL released, on scratch the calling thread keeps (``thread_scratch.h``).  The arithmetic lives in
-``flash_forward.h`` (forward, decode, split-KV merge) and ``flash_backward.h``, compiled once per
+``flash_forward.h`` (forward; the decode in ``flash_decode.h``, items and the split-KV merge in
+``forward_items.h``) and ``flash_backward.h``, compiled once per
 instruction-set level (``kernels_forward.cpp``, ``kernels_forward_half.cpp``, ``kernels_backward.cpp``); a plan runs the table (``kernel_table.h``) of the level that
 was active when it was built (:func:`use_isa`; ``fastattn._cpu.isa`` chooses at import).
 """
@@ -326,7 +327,7 @@ cdef class ForwardPlan:
     threads : int
         OpenMP threads for the parallel regions (capped at the number of work items).
     head_group : int
-        Kv heads per decode item (1, or all of them for token-major K/V: see flash_forward.h).
+        Kv heads per decode item (1, or all of them for token-major K/V: see forward_items.h).
     """
 
     cdef FwdParams template
@@ -416,7 +417,7 @@ cdef class ForwardPlan:
             p.packed_kv = _scratch(SCRATCH_VALUES, self.packed_bytes)
         with nogil:
             self._pass(&p, scratch)
-            if nonfinite:  # see note_stored in flash_forward.h: rerun skipping zero-weight products
+            if nonfinite:  # see note_stored in forward_tiles.h: rerun skipping zero-weight products
                 p.skip_zero_weights = 1
                 self._pass(&p, scratch)
         return out, lse
@@ -528,7 +529,7 @@ cdef class BackwardPlan:
         with nogil:
             _for_items(self.kernels.backward_delta, &p, NULL, 0, rows, self.thread_count, False)
             self._gradient_passes(&p, scratch)
-            if nonfinite:  # see note_stored in flash_forward.h: rerun skipping zero-weight products
+            if nonfinite:  # see note_stored in forward_tiles.h: rerun skipping zero-weight products
                 p.f.skip_zero_weights = 1
                 self._gradient_passes(&p, scratch)
         return dq, dk, dv

@@ -30,7 +30,7 @@
 #ifndef FASTATTN_FLASH_BACKWARD_H
 #define FASTATTN_FLASH_BACKWARD_H
 
-#include "flash_forward.h"
+#include "forward_items.h"
 
 namespace fastattn {
 inline namespace FASTATTN_ISA_NAMESPACE {
@@ -50,7 +50,7 @@ static inline void outer_kernel(const T* a, int64_t mp, const T* bm, int64_t b_s
         FASTATTN_UNROLL for (int v = 0; v < NV; ++v) bv[v] = vload<V>(bm + r * b_stride + v * L);
         FASTATTN_UNROLL for (int m = 0; m < MR; ++m) {
             const V weight = vbroadcast<T>(a[m * mp + r]);
-            if (Skip && a[m * mp + r] == T(0)) continue; /* see note_stored in flash_forward.h */
+            if (Skip && a[m * mp + r] == T(0)) continue; /* see note_stored in forward_tiles.h */
             FASTATTN_UNROLL for (int v = 0; v < NV; ++v) acc[m][v] += weight * bv[v];
         }
     }

@@ -35,7 +35,7 @@
 #ifndef FASTATTN_FLASH_BF16_H
 #define FASTATTN_FLASH_BF16_H
 
-#include "flash_forward.h"
+#include "forward_items.h"
 
 #if defined(FASTATTN_HAS_AVX512BF16)
 
@@ -574,7 +574,7 @@ template <int R> struct PairKernel {
         std::memset(h.buffers.o, 0, sizeof(float) * R * p.head_dim_v);
     }
 
-    /* Empty sums and accumulators, the running maxima kept (flash_forward.h: key_sweeps).  Not
+    /* Empty sums and accumulators, the running maxima kept (forward_tiles.h: key_sweeps).  Not
      * reached: the rerun that walks the keys twice declines these kernels (dpbf16_decode_applies);
      * forward_head and forward_heads, shared with DotKernel, call it for that rerun only. */
     static void restart(const FwdParams& p, Head& h) {

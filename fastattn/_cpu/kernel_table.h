@@ -31,7 +31,7 @@ struct KernelTable {
     ItemFunction backward_delta; /* one query row's delta = dO . O */
     ItemFunction backward_gradients; /* one (b, kv head, chunk of key blocks): dK, dV, a dQ partial */
     ItemFunction backward_dq;        /* one (b, kv head, query block): dQ, the partials summed */
-    /* Which kernel runs a forward item of `rows` stacked query rows (flash_forward.h: forward_kernel_of):
+    /* Which kernel runs a forward item of `rows` stacked query rows (forward_items.h: forward_kernel_of):
      * "vector", "vector-decode", "dpbf16" or "dpbf16-decode" (avx512bf16 level), "amx" or "amx-decode"
      * (amx level).  The
      * Python planner asks it to pick the AMX tile sizes. */

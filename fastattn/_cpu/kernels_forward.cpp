@@ -1,8 +1,8 @@
 /* One instruction-set level's forward entry points for float32 and float64 (kernel_entries.h): the
  * items and the split-KV merge.  float16 and bfloat16 go to kernels_forward_half.cpp, a compiler
  * process of its own: the two halves of the forward build on two cores at once.  The arithmetic is
- * in flash_forward.h (flash_amx.h includes it with the bfloat16 kernels, whose rule,
- * forward_kernel_of, every dtype's items ask).
+ * in flash_forward.h, flash_decode.h and forward_items.h (flash_amx.h includes them with the bfloat16
+ * kernels, whose rule, forward_kernel_of, every dtype's items ask).
  */
 #include "flash_amx.h"
 #include "kernel_entries.h"

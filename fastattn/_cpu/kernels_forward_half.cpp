@@ -1,7 +1,7 @@
 /* One instruction-set level's forward entry points for float16 and bfloat16 (kernel_entries.h):
  * the items, the split-KV merge and the K/V pass before the items (V^T tiles on AMX, K and V in
  * float32 at the other levels: it runs for these dtypes only), and the entries that read no data.
- * The arithmetic is in flash_forward.h, flash_bf16.h and flash_amx.h.
+ * The arithmetic is in flash_forward.h, flash_decode.h, flash_bf16.h and flash_amx.h.
  */
 #include "flash_amx.h"
 #include "kernel_entries.h"
@@ -34,7 +34,7 @@ size_t forward_scratch_bytes(const FwdParams* p) {
 }
 
 /* K/V prepared once per call before the items: V^T tiles on AMX (flash_amx.h), float16/bfloat16 K
- * and V in float32 at the other levels (flash_forward.h: converts_kv_once); 0 where no pass runs. */
+ * and V in float32 at the other levels (forward_items.h: converts_kv_once); 0 where no pass runs. */
 size_t forward_packed_bytes(const FwdParams* p) {
 #if defined(FASTATTN_HAS_AMX)
     return packed_values_bytes(*p);

@@ -37,12 +37,12 @@ struct FwdParams {
     int64_t query_blocks;       /* ceil(Sq / block_queries) */
     int64_t key_tile;
     int64_t splits;       /* key splits per (b, kv head, query block); > 1 only for decode */
-    int64_t head_group;   /* kv heads per decode item (0 or 1: one; token-major K/V: all, flash_forward.h) */
+    int64_t head_group;   /* kv heads per decode item (0 or 1: one; token-major K/V: all, forward_items.h) */
     char* partial_out;    /* splits > 1: [items][splits][rows][Dv] in the compute type */
     char* partial_lse;    /* splits > 1: [items][splits][rows] */
     char* packed_kv;      /* K/V prepared once per call before the items, or NULL: bfloat16 on AMX, V^T
                            * of every key tile (flash_amx.h); float16/bfloat16 at the other levels,
-                           * K and V in float32 (flash_forward.h: converts_kv_once) */
+                           * K and V in float32 (forward_items.h: converts_kv_once) */
     int skip_zero_weights; /* products whose weight (P or dS) is exactly 0 are skipped, not added */
     int* nonfinite_output; /* set to 1 (relaxed atomic) when a NaN or infinity is stored in a result */
     double dropout_p;      /* 0: no dropout */

@@ -1,7 +1,7 @@
 """The ``cpu`` backend: Cython + OpenMP flash attention on numpy arrays, forward and backward.
 
-The kernels live in ``fastattn._cpu._flash``: see ``fastattn/_cpu/flash_forward.h`` (forward and
-the decode path, Sq <= 16 with split keys) and ``fastattn/_cpu/flash_backward.h`` for the
+The kernels live in ``fastattn._cpu._flash``: see ``fastattn/_cpu/flash_forward.h`` (forward),
+``flash_decode.h`` (the decode path, Sq <= 16 with split keys) and ``flash_backward.h`` for the
 algorithms and tile sizes.  Every contract feature is handled inside the kernels.  They are built
 for several instruction-set levels; ``fastattn._cpu.isa`` says which runs (``FASTATTN_ISA``).
 """
@@ -66,7 +66,7 @@ def decode_head_group(problem: AttentionProblem, key_tile: int) -> int:
     token-major (a kv head's consecutive tokens further apart than its neighbour heads: a
     ``(B, S, H, D)`` array) and a decode kernel with per-head steps runs the item (float32 vectors
     or `vdpbf16ps`): it then sweeps each key tile's token rows, every head's bytes together
-    (``forward_heads`` in fastattn/_cpu/flash_forward.h); else 1 (head-major memory, such as a
+    (``forward_heads`` in fastattn/_cpu/forward_items.h); else 1 (head-major memory, such as a
     ``KVCache``'s, streams each head's tokens as one run already)."""
     token_major = problem.k_strides[1] < problem.k_strides[2] and problem.v_strides[1] < problem.v_strides[2]
     if problem.seq_q > DECODE_MAX_QUERIES or not token_major or not 1 < problem.heads_kv <= MAX_HEAD_GROUP:

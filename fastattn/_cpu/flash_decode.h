@@ -1,0 +1,294 @@
+/* The forward's items of few rows (decodes).  With R <= kDotMaxRows query rows, rows-as-lanes would
+ * leave most lanes idle.  Here the vectors run along the head dimension instead: S[r][j] =
+ * dot(K[j], q[r]) (blocks of rows x keys, each K vector loaded once for a block's rows, L dot
+ * products reduced together), the softmax runs along keys, and O[r][:] += P[r][j] V[j][:] keeps
+ * R x CB vectors of O in registers while the tile's V rows stream past.  Same masking, key range
+ * and output conventions as forward_block (flash_forward.h). */
+#ifndef FASTATTN_FLASH_DECODE_H
+#define FASTATTN_FLASH_DECODE_H
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+#include "forward_tiles.h"
+#include "micro_kernels.h"
+
+namespace fastattn {
+inline namespace FASTATTN_ISA_NAMESPACE {
+
+constexpr int kDotMaxRows = 8;
+
+/* Rows whose scores share each K vector: RB x KB = L dot products a block (4 x 4 with 16 lanes),
+ * so a step loads KB + RB vectors for L FMAs, not L + 1. */
+template <typename T> constexpr int kDotRowBlock = Vec<T>::lanes >= 8 ? 4 : Vec<T>::lanes / 2;
+
+/* s[r][u] = q[r] . keys[u] for RB rows (q's rows D apart) and KB = L / RB keys (keys' rows
+ * key_stride apart, converted to T as they are loaded; Pairs: read in pair order, q's rows in pair
+ * order too): L accumulators along D, reduced together; s's rows N apart.  between(D / L) first:
+ * the block's share of the spread prefetch in one go (a call per step put the prefetch walk's dozen
+ * instructions beside every L FMAs). */
+template <typename T, int RB, typename In, bool Pairs, typename Between>
+static inline void dot_scores_block(const T* q, int64_t D, const In* keys, int64_t key_stride, T* s, int64_t N,
+                                    Between&& between) {
+    typedef typename Vec<T>::type V;
+    constexpr int L = Vec<T>::lanes, KB = L / RB;
+    V acc[L];
+    FASTATTN_UNROLL for (int u = 0; u < L; ++u) acc[u] = V{};
+    between(D / L);
+    if constexpr (Pairs) {
+        for (int64_t d = 0; d < D; d += 2 * L) {
+            V even[KB], odd[KB];
+            FASTATTN_UNROLL for (int u = 0; u < KB; ++u) load_pair_order<T>(keys + u * key_stride + d, even[u], odd[u]);
+            FASTATTN_UNROLL for (int r = 0; r < RB; ++r) {
+                const V q_even = vload<V>(q + r * D + d), q_odd = vload<V>(q + r * D + d + L);
+                FASTATTN_UNROLL for (int u = 0; u < KB; ++u) {
+                    acc[r * KB + u] += even[u] * q_even;
+                    acc[r * KB + u] += odd[u] * q_odd;
+                }
+            }
+        }
+    } else {
+        for (int64_t d = 0; d < D; d += L) {
+            V k[KB];
+            FASTATTN_UNROLL for (int u = 0; u < KB; ++u) k[u] = load_vector<T>(keys + u * key_stride + d);
+            FASTATTN_UNROLL for (int r = 0; r < RB; ++r) {
+                const V qv = vload<V>(q + r * D + d);
+                FASTATTN_UNROLL for (int u = 0; u < KB; ++u) acc[r * KB + u] += k[u] * qv;
+            }
+        }
+    }
+    /* Lane r * KB + u is row r's score of key u: each row's KB scores go out as one copy. */
+    alignas(64) T sums[L];
+    vstore(sums, reduce_lanes_in_order<T>(acc));
+    FASTATTN_UNROLL for (int r = 0; r < RB; ++r) std::memcpy(s + r * N, sums + r * KB, KB * sizeof(T));
+}
+
+/* The scores of `rows` rows against L keys: groups of RB rows, the rest in groups of RB / 2, ... */
+template <typename T, int RB, typename In, bool Pairs, typename Between>
+static void dot_scores(int64_t rows, const T* q, int64_t D, const In* keys, int64_t key_stride, T* s, int64_t N,
+                       Between&& between) {
+    constexpr int KB = Vec<T>::lanes / RB;
+    int64_t r = 0;
+    for (; r + RB <= rows; r += RB)
+        for (int u = 0; u < Vec<T>::lanes; u += KB)
+            dot_scores_block<T, RB, In, Pairs>(q + r * D, D, keys + u * key_stride, key_stride, s + r * N + u, N,
+                                               between);
+    if constexpr (RB > 1)
+        if (r < rows) dot_scores<T, RB / 2, In, Pairs>(rows - r, q + r * D, D, keys, key_stride, s + r * N, N, between);
+}
+
+/* The decode rows' heads, queries and key positions (row r: head kvh * G + r / qn, query q0 + r % qn)
+ * and their softmax state before the first key. */
+template <typename T>
+static inline void start_rows(const FwdParams& p, int64_t kvh, int64_t q0, int64_t qn, int rows, int64_t* head,
+                              int64_t* query, T* position, T* row_max, T* row_sum) {
+    for (int r = 0; r < rows; ++r) {
+        head[r] = kvh * p.group + r / qn;
+        query[r] = q0 + r % qn;
+        position[r] = (T)(query[r] + p.offset);
+        row_max[r] = -std::numeric_limits<T>::infinity();
+        row_sum[r] = T(0);
+    }
+}
+
+/* One key tile's scores of `rows` rows held along the keys (row r at s + r * N; n keys from kt)
+ * become probabilities, in finish_scores' order: softcap, the mask, then causal/window hiding
+ * (per-element work only where this tile needs it, forward_block's edge tests); then the online
+ * softmax along each row, with its O row (o + r * Dv) rescaled, and dropout. */
+template <typename T>
+static inline void softmax_rows(const FwdParams& p, T* s, int64_t N, int rows, int64_t n, int64_t kt, int64_t b,
+                                int64_t kvh, int64_t q0, int64_t qn, const int64_t* head, const int64_t* query,
+                                const T* position, T* row_max, T* row_sum, T* o) {
+    typedef typename Vec<T>::type V;
+    constexpr int L = Vec<T>::lanes;
+    const T neg_inf = -std::numeric_limits<T>::infinity();
+    const int64_t Dv = p.head_dim_v, first_pos = q0 + p.offset, last_pos = q0 + qn - 1 + p.offset;
+    const bool edges = (p.causal && kt + n - 1 > first_pos) || (p.window_left >= 0 && kt < last_pos - p.window_left) ||
+                       (p.window_right >= 0 && kt + n - 1 > first_pos + p.window_right);
+    if (p.softcap > 0)
+        for (int r = 0; r < rows; ++r)
+            for (int64_t j = 0; j < n; ++j) s[r * N + j] = (T)p.softcap * std::tanh(s[r * N + j] / (T)p.softcap);
+    if (p.mask_kind != MASK_NONE) mask_rows<T>(p, s, N, head, query, rows, n, kt, b);
+    for (int r = 0; r < rows; ++r) {
+        T* row = s + r * N;
+        for (int64_t j = 0; edges && j < n; ++j) {
+            const T key = (T)(kt + j);
+            const bool visible = !(p.causal && key > position[r]) &&
+                                 !(p.window_left >= 0 && key < position[r] - (T)p.window_left) &&
+                                 !(p.window_right >= 0 && key > position[r] + (T)p.window_right);
+            if (!visible) row[j] = neg_inf;
+        }
+        /* Online softmax along the keys of this row. */
+        T tile_max = neg_inf;
+        int64_t j = 0;
+        if (n >= L) {
+            V lane_max = vload<V>(row);
+            for (j = L; j + L <= n; j += L) lane_max = vmax(lane_max, vload<V>(row + j));
+            for (int lane = 0; lane < L; ++lane) tile_max = std::max(tile_max, lane_max[lane]);
+        }
+        for (; j < n; ++j) tile_max = std::max(tile_max, row[j]);
+        const T new_max = std::max(row_max[r], tile_max);
+        const T shift = new_max == neg_inf ? T(0) : new_max;
+        const T alpha = row_max[r] == neg_inf ? T(0) : std::exp(row_max[r] - shift);
+        /* exp(s - shift) = 2^(s log2(e) - shift log2(e)): one FMA and vexp2_softmax. */
+        const T shift2 = shift * kLog2e<T>;
+        const V log2e = vbroadcast(kLog2e<T>), vshift2 = vbroadcast(shift2);
+        V total = V{};
+        for (j = 0; j + L <= n; j += L) {
+            const V prob = vexp2_softmax(vload<V>(row + j) * log2e - vshift2);
+            vstore(row + j, prob);
+            total += prob;
+        }
+        T tail = 0;
+        for (; j < n; ++j) {
+            row[j] = row[j] == neg_inf ? T(0) : std::exp2(row[j] * kLog2e<T> - shift2);
+            tail += row[j];
+        }
+        row_sum[r] = row_sum[r] * alpha + vsum<T>(total) + tail;
+        row_max[r] = new_max;
+        if (alpha != T(1))
+            for (int64_t c = 0; c < Dv; ++c) o[r * Dv + c] *= alpha;
+    }
+    if (p.dropout_p > 0) dropout_tile<T>(p, s, 1, N, rows, n, kt, b, kvh, q0, qn, false);
+}
+
+/* One kv head's rows of a decode item: scratch (q [R][D] scaled, s [R][N], o [R][Dv], q's and o's
+ * rows in pair order where reads_kv_in_pairs, and k_block [L][D], K rows converted where the level
+ * converts element by element) and the running softmax. */
+template <typename T, int R> struct DotHead {
+    T* q;
+    T* s;
+    T* o;
+    T* k_block;
+    int64_t kvh;
+    T row_max[R], row_sum[R], position[R];
+    int64_t head[R], query[R];
+};
+
+/* Elements of one DotHead's scratch. */
+template <typename T> static inline int64_t dot_head_elements(const FwdParams& p, int64_t rows) {
+    return rows * (p.head_dim + p.key_tile + p.head_dim_v) + Vec<T>::lanes * p.head_dim;
+}
+
+template <typename T, typename In, int R>
+static void dot_start(const FwdParams& p, DotHead<T, R>& h, T* scratch, int64_t b, int64_t kvh, int64_t q0,
+                      int64_t qn) {
+    const int64_t D = p.head_dim, Dv = p.head_dim_v;
+    h.q = scratch;
+    h.s = h.q + R * D;
+    h.o = h.s + R * p.key_tile;
+    h.k_block = h.o + R * Dv;
+    h.kvh = kvh;
+    start_rows<T>(p, kvh, q0, qn, R, h.head, h.query, h.position, h.row_max, h.row_sum);
+    const T scale = (T)p.scale;
+    for (int r = 0; r < R; ++r) {
+        convert_row(at<In>(p.q, b * p.q_stride[0] + h.head[r] * p.q_stride[1] + h.query[r] * p.q_stride[2]),
+                    h.q + r * D, D);
+        for (int64_t d = 0; d < D; ++d) h.q[r * D + d] *= scale;
+        if (reads_kv_in_pairs<T, In>(p)) reorder_pairs(h.q + r * D, D, false);
+    }
+    std::memset(h.o, 0, sizeof(T) * R * Dv);
+}
+
+/* Keys kt..kt+n of head h: scores, softmax, O += P V; `ahead` (SpreadPrefetch) hands its lines to
+ * the prefetcher spread over the tile's work. */
+template <typename T, typename In, int R>
+static void dot_tile(const FwdParams& p, DotHead<T, R>& h, int64_t b, int64_t q0, int64_t qn, int64_t kt, int64_t n,
+                     const SpreadPrefetch<In>& next) {
+    SpreadPrefetch<In> ahead = next; /* a local: its cursors stay in registers */
+    typedef typename Vec<T>::type V;
+    constexpr int L = Vec<T>::lanes;
+    constexpr int CB = R >= 8 ? 2 : R >= 4 ? 4 : 8; /* O columns (vectors) held per row */
+    const int64_t D = p.head_dim, Dv = p.head_dim_v, N = p.key_tile;
+    const int64_t d_main = D / L * L;
+    const bool skip = p.skip_zero_weights != 0, pairs = reads_kv_in_pairs<T, In>(p);
+    T* q = h.q;
+    T* s = h.s;
+    T* o = h.o;
+
+    /* K and V are read where they are; half-precision rows are converted as they are used, in
+     * registers (once per score block of rows; bfloat16 in pair order where D and Dv allow), or
+     * where the level converts element by element, K a block of L rows at a time into L1 scratch,
+     * as every row reads it. */
+    const In* k_rows = at<In>(p.k, b * p.k_stride[0] + h.kvh * p.k_stride[1] + kt * p.k_stride[2]);
+    const In* v_rows = at<In>(p.v, b * p.v_stride[0] + h.kvh * p.v_stride[1] + kt * p.v_stride[2]);
+    const int64_t k_row_stride = p.k_stride[2], v_row_stride = p.v_stride[2];
+    /* issue(steps) hands over `steps` calls' share of `ahead`: D / L for a score block (R / RB blocks
+     * per L keys), 1 for each value row. */
+    const int64_t calls = std::max<int64_t>(1, R * (n / L) * (D / L) + value_passes<T, CB>(Dv) * n);
+    const int64_t lines_per_call = (ahead.total_lines() + calls - 1) / calls;
+    auto issue = [&](int64_t steps) __attribute__((always_inline)) { ahead.issue(lines_per_call * steps); };
+
+    /* Scores: dot products along D.  Full blocks of L keys run as blocks of rows x keys whose L
+     * accumulators are reduced together (dot_scores); the rest take one horizontal sum per score. */
+    int64_t j_done = 0;
+    if (d_main == D) {
+        for (; j_done + L <= n; j_done += L) {
+            const In* keys = k_rows + j_done * k_row_stride;
+            if constexpr (reads_in_pair_order<T, In>()) {
+                if (pairs) {
+                    dot_scores<T, kDotRowBlock<T>, In, true>(R, q, D, keys, k_row_stride, s + j_done, N, issue);
+                    continue;
+                }
+            }
+            if constexpr (converts_in_registers<T, In>()) {
+                dot_scores<T, kDotRowBlock<T>, In, false>(R, q, D, keys, k_row_stride, s + j_done, N, issue);
+            } else {
+                for (int jj = 0; jj < L; ++jj) convert_row(keys + jj * k_row_stride, h.k_block + jj * D, D);
+                dot_scores<T, kDotRowBlock<T>, T, false>(R, q, D, h.k_block, D, s + j_done, N, issue);
+            }
+        }
+    }
+    for (int64_t j = j_done; j < n; ++j) {
+        const In* key = k_rows + j * k_row_stride;
+        V acc[R];
+        for (int r = 0; r < R; ++r) acc[r] = V{};
+        for (int64_t d = 0; d < d_main; d += L) {
+            if constexpr (reads_in_pair_order<T, In>()) {
+                if (pairs) { /* q in pair order: the block's even elements at d, its odd ones at d + L */
+                    V even, odd;
+                    load_pair_order<T>(key + d, even, odd);
+                    for (int r = 0; r < R; ++r) {
+                        acc[r] += even * vload<V>(q + r * D + d);
+                        acc[r] += odd * vload<V>(q + r * D + d + L);
+                    }
+                    d += L;
+                    continue;
+                }
+            }
+            const V kv = load_vector<T>(key + d);
+            for (int r = 0; r < R; ++r) acc[r] += kv * vload<V>(q + r * D + d);
+        }
+        for (int r = 0; r < R; ++r) {
+            T total = vsum<T>(acc[r]);
+            for (int64_t d = d_main; d < D; ++d) total += load_as<T>(key[d]) * q[r * D + d];
+            s[r * N + j] = total;
+        }
+    }
+
+    softmax_rows<T>(p, s, N, R, n, kt, b, h.kvh, q0, qn, h.head, h.query, h.position, h.row_max, h.row_sum, o);
+
+    /* O[r][:] += P[r][j] V[j][:], CB vectors of each row's O in registers. */
+    if (pairs)
+        add_weighted_values<T, In, R, CB, reads_in_pair_order<T, In>()>(o, Dv, s, N, 1, v_rows, v_row_stride, n,
+                                                                        skip, issue);
+    else
+        add_weighted_values<T, In, R, CB>(o, Dv, s, N, 1, v_rows, v_row_stride, n, skip, issue);
+}
+
+template <typename T, typename In, int R>
+static void dot_finish(const FwdParams& p, DotHead<T, R>& h, int64_t b, T* partial_out, T* partial_lse) {
+    for (int r = 0; r < R; ++r) {
+        if (reads_kv_in_pairs<T, In>(p)) reorder_pairs(h.o + r * p.head_dim_v, p.head_dim_v, true);
+        write_row<T, In>(p, b, h.head[r], h.query[r], r, h.o + r * p.head_dim_v, h.row_max[r], h.row_sum[r],
+                         partial_out, partial_lse);
+    }
+}
+
+}  // namespace FASTATTN_ISA_NAMESPACE
+}  // namespace fastattn
+
+#endif
