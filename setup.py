@@ -148,6 +148,7 @@ _kernel_sources = [
 ]
 _kernel_headers = [
     "fastattn/_cpu/forward_tiles.h",
+    "fastattn/_cpu/visibility.h",
     "fastattn/_cpu/micro_kernels.h",
     "fastattn/_cpu/flash_forward.h",
     "fastattn/_cpu/flash_decode.h",

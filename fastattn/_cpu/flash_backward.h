@@ -71,17 +71,13 @@ struct VisibleRows {
     VisibleRows(const FwdParams& p, int64_t rows_, int64_t q0, int64_t kt)
         : rows(rows_), first_key_row(0), last_key_row(0), cut_low(false), cut_high(false) {
         if (p.group != 1) return;
+        /* Row r is position q0 + offset + r: key kt is seen by the rows key_row - right .. key_row + left. */
+        const Band band(p);
         const int64_t key_row = kt - q0 - p.offset; /* the row at key kt's own position */
-        /* causal: position >= key; window_right: position >= key - window_right. */
-        if (p.causal || p.window_right >= 0) {
-            cut_low = true;
-            first_key_row = p.causal ? key_row : key_row - p.window_right;
-        }
-        /* window_left: position <= key + window_left. */
-        if (p.window_left >= 0) {
-            cut_high = true;
-            last_key_row = key_row + p.window_left;
-        }
+        cut_low = band.has_right;
+        cut_high = band.has_left;
+        if (cut_low) first_key_row = band.first_position(key_row);
+        if (cut_high) last_key_row = band.last_position(key_row);
     }
     int64_t lo(int64_t j) const { return cut_low ? std::min(rows, std::max<int64_t>(0, first_key_row + j)) : 0; }
     int64_t hi(int64_t j, int64_t m) const {
@@ -394,12 +390,10 @@ static inline int64_t live_keys(const FwdParams& p, int64_t b, int64_t k0, int64
 
 /* Query positions [*i_lo, *i_hi) that causal/window let see some of the keys k0..k0+live-1. */
 static inline void seeing_queries(const FwdParams& p, int64_t k0, int64_t live, int64_t* i_lo, int64_t* i_hi) {
-    const int64_t last_key = k0 + live - 1;
-    *i_lo = 0;
-    *i_hi = p.seq_q;
-    if (p.causal) *i_lo = std::max(*i_lo, k0 - p.offset);
-    if (p.window_right >= 0) *i_lo = std::max(*i_lo, k0 - p.window_right - p.offset);
-    if (p.window_left >= 0) *i_hi = std::min(*i_hi, last_key + p.window_left - p.offset + 1);
+    int64_t lo = p.offset, hi = p.seq_q + p.offset; /* positions of queries 0..seq_q */
+    Band(p).cut_positions(k0, k0 + live - 1, &lo, &hi);
+    *i_lo = lo - p.offset;
+    *i_hi = hi - p.offset;
 }
 
 /* Write the n keys' gradients from k0: dK = dk_scale dk ([n][D]) and dV = dv ([n][Dv]). */

@@ -105,20 +105,20 @@ static inline void softmax_rows(const FwdParams& p, T* s, int64_t N, int rows, i
     typedef typename Vec<T>::type V;
     constexpr int L = Vec<T>::lanes;
     const T neg_inf = -std::numeric_limits<T>::infinity();
-    const int64_t Dv = p.head_dim_v, first_pos = q0 + p.offset, last_pos = q0 + qn - 1 + p.offset;
-    const bool edges = (p.causal && kt + n - 1 > first_pos) || (p.window_left >= 0 && kt < last_pos - p.window_left) ||
-                       (p.window_right >= 0 && kt + n - 1 > first_pos + p.window_right);
+    const int64_t Dv = p.head_dim_v;
+    const Band band(p);
+    const BandEdges edges = band.edges(kt, n, q0 + p.offset, q0 + qn - 1 + p.offset);
+    const T left = (T)band.left, right = (T)band.right;
     if (p.softcap > 0)
         for (int r = 0; r < rows; ++r)
             for (int64_t j = 0; j < n; ++j) s[r * N + j] = (T)p.softcap * std::tanh(s[r * N + j] / (T)p.softcap);
     if (p.mask_kind != MASK_NONE) mask_rows<T>(p, s, N, head, query, rows, n, kt, b);
     for (int r = 0; r < rows; ++r) {
         T* row = s + r * N;
-        for (int64_t j = 0; edges && j < n; ++j) {
+        for (int64_t j = 0; edges.any() && j < n; ++j) {
             const T key = (T)(kt + j);
-            const bool visible = !(p.causal && key > position[r]) &&
-                                 !(p.window_left >= 0 && key < position[r] - (T)p.window_left) &&
-                                 !(p.window_right >= 0 && key > position[r] + (T)p.window_right);
+            const bool visible = (!edges.left || Band::within_left(key, position[r], left)) &&
+                                 (!edges.right || Band::within_right(key, position[r], right));
             if (!visible) row[j] = neg_inf;
         }
         /* Online softmax along the keys of this row. */

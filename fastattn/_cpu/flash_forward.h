@@ -49,12 +49,13 @@
  *
  * Scratch per thread: O((M + key_tile) * (D + Dv) + key_tile * M) elements, independent of Sq, Sk.
  *
- * The forward's files, each one job: forward_tiles.h (what every forward path and the backward
- * share: non-finite bookkeeping, the spread prefetch, visible keys, the scores' finishing, dropout,
- * K/V tile sources, the row output, the online softmax), micro_kernels.h (the register-blocked
- * products), this file (forward_block, one work item), flash_decode.h (items of few rows,
- * DotKernel) and forward_items.h (the items' order, the kernel rule, K and V converted once per
- * call, the head-group decode and the split-KV combine).
+ * The forward's files, each one job: visibility.h (the causal/window rule, Band, whose projections
+ * every key range, edge test and hidden key comes from), forward_tiles.h (what every forward path
+ * and the backward share: non-finite bookkeeping, the spread prefetch, visible keys, the scores'
+ * finishing, dropout, K/V tile sources, the row output, the online softmax), micro_kernels.h (the
+ * register-blocked products), this file (forward_block, one work item), flash_decode.h (items of
+ * few rows, DotKernel) and forward_items.h (the items' order, the kernel rule, K and V converted
+ * once per call, the head-group decode and the split-KV combine).
  */
 #ifndef FASTATTN_FLASH_FORWARD_H
 #define FASTATTN_FLASH_FORWARD_H

@@ -20,6 +20,7 @@
 #include "params.h"
 #include "philox.h"
 #include "simd.h"
+#include "visibility.h"
 
 namespace fastattn {
 inline namespace FASTATTN_ISA_NAMESPACE {
@@ -187,12 +188,9 @@ template <typename In> static inline const In* at(const char* base, int64_t elem
  * causal and window, so that tiles nobody sees are never visited. */
 static inline void visible_keys(const FwdParams& p, int64_t b, int64_t q0, int64_t qn, int64_t k_begin,
                                 int64_t k_end, int64_t* lo, int64_t* hi) {
-    const int64_t first_pos = q0 + p.offset, last_pos = q0 + qn - 1 + p.offset;
     *lo = k_begin;
     *hi = std::min(k_end, p.key_lengths ? p.key_lengths[b] : p.seq_k);
-    if (p.causal) *hi = std::min(*hi, last_pos + 1);
-    if (p.window_left >= 0) *lo = std::max(*lo, first_pos - p.window_left);
-    if (p.window_right >= 0) *hi = std::min(*hi, last_pos + p.window_right + 1);
+    Band(p).cut_keys(q0 + p.offset, q0 + qn - 1 + p.offset, lo, hi);
 }
 
 /* visible_keys of walk `sweep` of key_sweeps: the first of two covers the keys 0..seq_k (every
@@ -213,15 +211,13 @@ static inline void sweep_visible_keys(const FwdParams& p, int sweep, int64_t b, 
  * mean; B1 H64 S128 D64 causal 4.9 -> 4.3 ms). */
 static inline int64_t row_block_keys(const FwdParams& p, int64_t q0, int64_t qn, int64_t rows, int64_t first,
                                      int64_t count, int64_t kt, int64_t n) {
-    if (!p.causal && p.window_right < 0) return n;
+    const Band band(p);
+    if (!band.has_right) return n;
     const int64_t last_row = std::min(first + count, rows) - 1;
     if (last_row < first) return 0;
     /* r % qn is largest at the last row, unless the block runs past a multiple of qn (GQA stacking). */
     const int64_t last_pos = q0 + p.offset + (last_row / qn != first / qn ? qn - 1 : last_row % qn);
-    int64_t end = kt + n;
-    if (p.causal) end = std::min(end, last_pos + 1);
-    if (p.window_right >= 0) end = std::min(end, last_pos + p.window_right + 1);
-    return std::max<int64_t>(0, end - kt);
+    return std::max<int64_t>(0, std::min(kt + n, band.key_end(last_pos)) - kt);
 }
 
 /* ---- scores: softcap, causal/window edges, mask arrays ----------------------------------------- */
@@ -255,21 +251,18 @@ static void finish_scores(const FwdParams& p, T* s, T* cap_grad, int64_t mp, int
     }
     if (p.mask_kind != MASK_NONE)
         mask_transposed<T>(p, s, mp, rows, n, kt, b, kvh, q0, qn, p.softcap > 0 ? T(1) : scale);
-    const int64_t first_pos = q0 + p.offset, last_pos = q0 + qn - 1 + p.offset;
-    const bool causal_edge = p.causal && kt + n - 1 > first_pos;
-    const bool left_edge = p.window_left >= 0 && kt < last_pos - p.window_left;
-    const bool right_edge = p.window_right >= 0 && kt + n - 1 > first_pos + p.window_right;
-    if (causal_edge || left_edge || right_edge) {
+    const Band band(p);
+    const BandEdges edges = band.edges(kt, n, q0 + p.offset, q0 + qn - 1 + p.offset);
+    if (edges.any()) {
         const V minus_infinity = vbroadcast(neg_inf);
-        const V left = vbroadcast((T)p.window_left), right = vbroadcast((T)p.window_right);
+        const V left = vbroadcast((T)band.left), right = vbroadcast((T)band.right);
         for (int64_t j = 0; j < n; ++j) {
             const V key = vbroadcast((T)(kt + j));
             for (int64_t r = 0; r < mp; r += L) {
                 const V pos = vload<V>(position + r);
                 I visible = key == key;
-                if (causal_edge) visible &= key <= pos;
-                if (left_edge) visible &= key >= pos - left;
-                if (right_edge) visible &= key <= pos + right;
+                if (edges.left) visible &= Band::within_left(key, pos, left);
+                if (edges.right) visible &= Band::within_right(key, pos, right);
                 vstore(s + j * mp + r, vselect(visible, vload<V>(s + j * mp + r), minus_infinity));
             }
         }
