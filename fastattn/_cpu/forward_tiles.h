@@ -48,7 +48,6 @@ static inline void note_stored(const FwdParams& p, double value) {
 /* Walks of an item's keys: 2 in the rerun that skips zero weights (see above), else 1. */
 static inline int key_sweeps(const FwdParams& p) { return p.skip_zero_weights ? 2 : 1; }
 
-
 template <typename T> constexpr int lanes() { return Vec<T>::lanes; }
 
 /* exp(x) = 2^(x log2(e)): the softmax's exponentials go through vexp2_softmax. */
@@ -176,7 +175,6 @@ template <typename In> struct SpreadPrefetch {
         }
     }
 };
-
 
 /* ---- element access -------------------------------------------------------------------------- */
 

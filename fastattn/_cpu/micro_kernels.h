@@ -18,12 +18,12 @@
 namespace fastattn {
 inline namespace FASTATTN_ISA_NAMESPACE {
 
+/* Keys of a Q.K^T block, columns of a P.V block: MR x 2 vectors of accumulators in registers. */
 #if FASTATTN_VECTOR_BYTES == 64
 constexpr int kMainMR = 8;
 #else
 constexpr int kMainMR = 6;
 #endif
-
 
 /* S[m][rows] = sum_d K[m][d] * Qp[d][rows] for MR keys and NV vectors of rows. */
 template <typename T, int MR, int NV>
