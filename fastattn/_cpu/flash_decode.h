@@ -25,21 +25,33 @@ constexpr int kDotMaxRows = 8;
  * so a step loads KB + RB vectors for L FMAs, not L + 1. */
 template <typename T> constexpr int kDotRowBlock = Vec<T>::lanes >= 8 ? 4 : Vec<T>::lanes / 2;
 
+/* Whether a score block hands its D / L shares of the spread prefetch over one per step of L depths
+ * rather than all before its first step.  float32: all at once; a call per step put the prefetch
+ * walk's dozen instructions beside every L FMAs (C6's shape, one kv head's 512 keys in cache, one
+ * thread: 22.7 -> 27.8 ns a key, and no gain streamed).  float16/bfloat16, whose steps also widen
+ * K: one per step, so that a block's burst of prefetches no longer waits ahead of its arithmetic.
+ * 2-core Xeon model 207, C6's shape (B8, Hkv 8, 4096 keys, GQA 4), builds alternated, paired
+ * medians: streamed by run_item on 2 threads (10 pairs) bfloat16 1.07x and float16 1.04x faster;
+ * through fastattn.attention (8 pairs of processes) 1.01x and 1.06x; one head in cache unchanged
+ * (bfloat16 23.3 -> 22.7 ns a key, float16 24.1 -> 24.3). */
+template <typename T, typename In> constexpr bool kPrefetchEachStep = !std::is_same<T, In>::value;
+
 /* s[r][u] = q[r] . keys[u] for RB rows (q's rows D apart) and KB = L / RB keys (keys' rows
  * key_stride apart, converted to T as they are loaded; Pairs: read in pair order, q's rows in pair
- * order too): L accumulators along D, reduced together; s's rows N apart.  between(D / L) first:
- * the block's share of the spread prefetch in one go (a call per step put the prefetch walk's dozen
- * instructions beside every L FMAs). */
+ * order too): L accumulators along D, reduced together; s's rows N apart.  The block's D / L shares
+ * of the spread prefetch go to between() as kPrefetchEachStep says. */
 template <typename T, int RB, typename In, bool Pairs, typename Between>
 static inline void dot_scores_block(const T* q, int64_t D, const In* keys, int64_t key_stride, T* s, int64_t N,
                                     Between&& between) {
     typedef typename Vec<T>::type V;
     constexpr int L = Vec<T>::lanes, KB = L / RB;
+    constexpr bool each_step = kPrefetchEachStep<T, In>;
     V acc[L];
     FASTATTN_UNROLL for (int u = 0; u < L; ++u) acc[u] = V{};
-    between(D / L);
+    if constexpr (!each_step) between(D / L);
     if constexpr (Pairs) {
         for (int64_t d = 0; d < D; d += 2 * L) {
+            if constexpr (each_step) between(2);
             V even[KB], odd[KB];
             FASTATTN_UNROLL for (int u = 0; u < KB; ++u) load_pair_order<T>(keys + u * key_stride + d, even[u], odd[u]);
             FASTATTN_UNROLL for (int r = 0; r < RB; ++r) {
@@ -52,6 +64,7 @@ static inline void dot_scores_block(const T* q, int64_t D, const In* keys, int64
         }
     } else {
         for (int64_t d = 0; d < D; d += L) {
+            if constexpr (each_step) between(1);
             V k[KB];
             FASTATTN_UNROLL for (int u = 0; u < KB; ++u) k[u] = load_vector<T>(keys + u * key_stride + d);
             FASTATTN_UNROLL for (int r = 0; r < RB; ++r) {
