@@ -1,0 +1,188 @@
+/* The CPU kernels' work items timed without Python, for A/B tests of kernel changes (kernel_ab.py
+ * builds this against two source trees and alternates them).  It includes the kernel headers of
+ * one instruction-set level and calls run_item on items laid out as fastattn's planner lays them
+ * out, so a change to a header shows in seconds of compiling instead of a build of every level.
+ *
+ *   decode DTYPE PLACE REPS   C6's shape (64 (b, kv head) items of 4096 keys, GQA 4, D 128), DTYPE
+ *                             float32, bfloat16 or float16; PLACE "stream": every item once on 2
+ *                             OpenMP threads, back to back as bench_cpu.py times C6 (K and V
+ *                             134-268 MB); "cache": 2 kv heads of 512 keys, one thread, 200 times a
+ *                             repeat (K and V in L2: the arithmetic alone).  Prints ns a key (median).
+ *   forward H S D CAUSAL REPS float32 forward of B 1, H heads, S positions and keys, head size D,
+ *                             on one thread, 64 query rows an item and 128-key tiles as the planner
+ *                             takes them.  Prints GFLOP/s (median).
+ *
+ * Every line also prints a checksum of the output, which two trees that should agree bit for bit
+ * must print alike. */
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "forward_items.h"
+
+using namespace fastattn;
+using namespace fastattn::FASTATTN_ISA_NAMESPACE;
+
+namespace {
+
+/* A deterministic value in [-1, 1) from a counter: inputs equal in every build. */
+float draw(uint64_t i) {
+    uint64_t x = (i + 1) * 0x9E3779B97F4A7C15ull;
+    x ^= x >> 31;
+    x *= 0xBF58476D1CE4E5B9ull;
+    x ^= x >> 29;
+    return (float)((x >> 40) * (2.0 / 16777216.0) - 1.0);
+}
+
+template <typename In> In stored(float x) {
+    if constexpr (std::is_same<In, float>::value)
+        return x;
+    else
+        return Store<In>::from(x);
+}
+
+template <typename In> double as_double(In x) {
+    if constexpr (std::is_same<In, float>::value)
+        return x;
+    else
+        return to_float(x);
+}
+
+double median(std::vector<double> values) {
+    std::sort(values.begin(), values.end());
+    return values[values.size() / 2];
+}
+
+double seconds(const std::chrono::steady_clock::time_point& start) {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+/* Strides of a contiguous (B, H, S, D) array, in elements, for FwdParams. */
+void contiguous(int64_t* stride, int64_t heads, int64_t positions, int64_t dim) {
+    stride[0] = heads * positions * dim;
+    stride[1] = positions * dim;
+    stride[2] = dim;
+}
+
+FwdParams params(int dtype, int64_t heads_kv, int64_t group, int64_t seq_q, int64_t seq_k, int64_t dim,
+                 int64_t block_queries, const void* q, const void* k, const void* v, void* out, float* lse) {
+    FwdParams p{};
+    p.q = static_cast<const char*>(q);
+    p.k = static_cast<const char*>(k);
+    p.v = static_cast<const char*>(v);
+    p.out = static_cast<char*>(out);
+    p.lse = reinterpret_cast<char*>(lse);
+    contiguous(p.q_stride, heads_kv * group, seq_q, dim);
+    contiguous(p.out_stride, heads_kv * group, seq_q, dim);
+    contiguous(p.k_stride, heads_kv, seq_k, dim);
+    contiguous(p.v_stride, heads_kv, seq_k, dim);
+    contiguous(p.lse_stride, heads_kv * group, seq_q, 1);
+    p.batch = 1;
+    p.heads_q = heads_kv * group;
+    p.heads_kv = heads_kv;
+    p.seq_q = seq_q;
+    p.seq_k = seq_k;
+    p.head_dim = p.head_dim_v = dim;
+    p.group = group;
+    p.dtype = dtype;
+    p.scale = 1.0 / std::sqrt((double)dim);
+    p.window_left = p.window_right = -1;
+    p.offset = seq_k - seq_q;
+    p.block_queries = block_queries;
+    p.query_blocks = (seq_q + block_queries - 1) / block_queries;
+    p.key_tile = 128;
+    p.splits = 1;
+    p.head_group = 1;
+    return p;
+}
+
+template <typename In> void decode(int dtype, bool stream, int repeats) {
+    const int64_t group = 4, dim = 128, heads = stream ? 64 : 2, keys = stream ? 4096 : 512;
+    const int calls = stream ? 1 : 200;
+    std::vector<In> q(heads * group * dim), out(heads * group * dim), k(heads * keys * dim), v(heads * keys * dim);
+    std::vector<float> lse(heads * group);
+    for (size_t i = 0; i < q.size(); ++i) q[i] = stored<In>(draw(i));
+    for (size_t i = 0; i < k.size(); ++i) {
+        k[i] = stored<In>(draw(i + q.size()));
+        v[i] = stored<In>(draw(i + q.size() + k.size()));
+    }
+    int nonfinite = 0;
+    FwdParams p = params(dtype, heads, group, 1, keys, dim, 1, q.data(), k.data(), v.data(), out.data(), lse.data());
+    p.nonfinite_output = &nonfinite;
+    std::vector<double> times;
+    for (int r = 0; r < repeats; ++r) {
+        const auto start = std::chrono::steady_clock::now();
+        for (int c = 0; c < calls; ++c) {
+#pragma omp parallel num_threads(stream ? 2 : 1)
+            {
+                std::vector<char> scratch(4 << 20);
+#pragma omp for schedule(dynamic)
+                for (int64_t item = 0; item < forward_items(p); ++item) run_item<float, In>(p, scratch.data(), item);
+            }
+        }
+        times.push_back(seconds(start) / calls);
+    }
+    double checksum = 0;
+    for (const In& x : out) checksum += as_double(x);
+    std::printf("%.3f ns a key  checksum %.9g\n", median(times) / (heads * keys) * 1e9, checksum);
+}
+
+void forward(int64_t heads, int64_t positions, int64_t dim, bool causal, int repeats) {
+    std::vector<float> q(heads * positions * dim), k(q.size()), v(q.size()), out(q.size()), lse(heads * positions);
+    for (size_t i = 0; i < q.size(); ++i) {
+        q[i] = draw(i);
+        k[i] = draw(i + q.size());
+        v[i] = draw(i + 2 * q.size());
+    }
+    int nonfinite = 0;
+    FwdParams p = params(DTYPE_FLOAT32, heads, 1, positions, positions, dim, 64, q.data(), k.data(), v.data(),
+                         out.data(), lse.data());
+    p.causal = causal;
+    p.nonfinite_output = &nonfinite;
+    std::vector<char> scratch(8 << 20);
+    std::vector<double> times;
+    for (int r = 0; r < repeats; ++r) {
+        const auto start = std::chrono::steady_clock::now();
+        for (int64_t item = 0; item < forward_items(p); ++item) run_item<float, float>(p, scratch.data(), item);
+        times.push_back(seconds(start));
+    }
+    const double flops = 4.0 * heads * positions * positions * dim / (causal ? 2 : 1);
+    double checksum = 0;
+    for (float x : out) checksum += x;
+    std::printf("%.2f GFLOP/s  checksum %.9g\n", flops / median(times) / 1e9, checksum);
+}
+
+int usage() {
+    std::fprintf(stderr, "usage: kernel_ab decode float32|bfloat16|float16 stream|cache REPS\n"
+                         "       kernel_ab forward H S D CAUSAL(0|1) REPS\n");
+    return 2;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+    if (argc == 5 && std::string(argv[1]) == "decode") {
+        const std::string dtype = argv[2], place = argv[3];
+        const int repeats = std::atoi(argv[4]);
+        if (place != "stream" && place != "cache") return usage();
+        if (dtype == "float32")
+            decode<float>(DTYPE_FLOAT32, place == "stream", repeats);
+        else if (dtype == "bfloat16")
+            decode<bfloat16_bits>(DTYPE_BFLOAT16, place == "stream", repeats);
+        else if (dtype == "float16")
+            decode<half_bits>(DTYPE_FLOAT16, place == "stream", repeats);
+        else
+            return usage();
+        return 0;
+    }
+    if (argc == 7 && std::string(argv[1]) == "forward") {
+        forward(std::atoi(argv[2]), std::atoi(argv[3]), std::atoi(argv[4]), std::atoi(argv[5]) != 0, std::atoi(argv[6]));
+        return 0;
+    }
+    return usage();
+}
