@@ -30,10 +30,11 @@ template <typename T> constexpr int kDotRowBlock = Vec<T>::lanes >= 8 ? 4 : Vec<
  * walk's dozen instructions beside every L FMAs (C6's shape, one kv head's 512 keys in cache, one
  * thread: 22.7 -> 27.8 ns a key, and no gain streamed).  float16/bfloat16, whose steps also widen
  * K: one per step, so that a block's burst of prefetches no longer waits ahead of its arithmetic.
- * 2-core Xeon model 207, C6's shape (B8, Hkv 8, 4096 keys, GQA 4), builds alternated, paired
- * medians: streamed by run_item on 2 threads (10 pairs) bfloat16 1.07x and float16 1.04x faster;
- * through fastattn.attention (8 pairs of processes) 1.01x and 1.06x; one head in cache unchanged
- * (bfloat16 23.3 -> 22.7 ns a key, float16 24.1 -> 24.3). */
+ * 2-core Xeon model 207, C6's shape (B8, Hkv 8, 4096 keys, GQA 4) streamed on 2 threads, builds
+ * alternated, paired medians of the old time over the new: bfloat16 1.07, 0.99 and 1.01 (10, 10
+ * and 16 pairs; benchmarks/kernel_ab.py or the like), 1.01 through fastattn.attention (8 pairs of
+ * processes); float16 1.04, 0.93, 1.06 and 1.06 (the longest series faster in 13 of 16 pairs).  A
+ * small gain, at times inside the host's noise; one head in cache unchanged. */
 template <typename T, typename In> constexpr bool kPrefetchEachStep = !std::is_same<T, In>::value;
 
 /* s[r][u] = q[r] . keys[u] for RB rows (q's rows D apart) and KB = L / RB keys (keys' rows
