@@ -181,8 +181,9 @@ def test_token_major_decode_over_kv_head_groups_matches_oracle(options, dtype, t
     v = np.zeros((case.batch, case.seq_k, case.heads_kv, case.head_dim_v), numpy_dtype)
     problem = fastattn.explain(q, k, v, layout="bshd").problem
     kernel = _flash.forward_kernel(problem, case.seq_q, cpu_backend.KEY_TILE)
-    pairs = dtype == "bfloat16" and isa.active() == "avx512bf16" and case.head_dim_v % 32 == 0
-    assert kernel == ("dpbf16-decode" if pairs else "vector-decode")
+    pairs = dtype == "bfloat16" and case.head_dim_v % 32 == 0
+    expected_kernel = {"avx512bf16": "dpbf16-decode", "amx": "amx-decode"}.get(isa.active(), "vector-decode")
+    assert kernel == (expected_kernel if pairs else "vector-decode")
     grouped = kernel in ("vector-decode", "dpbf16-decode")
     assert cpu_backend.decode_head_group(problem, cpu_backend.KEY_TILE) == (case.heads_kv if grouped else 1)
     expected_tile = cpu_backend.HEAD_GROUP_KEY_TILE if grouped else cpu_backend.KEY_TILE
