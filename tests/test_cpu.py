@@ -19,7 +19,14 @@ from fastattn.backends import cpu as cpu_backend
 from fastattn.nn import KVCache
 
 from .conformance import _oracle
-from .conformance._cases import BACKWARD_TOLERANCE, FORWARD_TOLERANCE, Case, relative_error
+from .conformance._cases import (
+    BACKWARD_TOLERANCE,
+    FORWARD_TOLERANCE,
+    Case,
+    bhsd_float64,
+    make_inputs,
+    relative_error,
+)
 from .conformance.test_forward import check_forward
 
 pytestmark = pytest.mark.skipif(
@@ -222,7 +229,8 @@ ROW_BLOCK_CASES = {
 @pytest.mark.parametrize("options", list(ROW_BLOCK_CASES.values()), ids=list(ROW_BLOCK_CASES))
 def test_row_blocks_of_the_vector_forward_match_oracle(options, dtype, threads) -> None:
     """The rows-as-lanes forward (``forward_block``) with more rows than the decode's dot products
-    take, each way it keeps O: 2 kv heads of group 4, 301 keys (a partial last tile), D = 64."""
+    take, each way it keeps O: 2 kv heads of group 4, 301 keys (a partial last tile), D = 64.  (At
+    the amx level bfloat16 and float16 items with Dv a multiple of 16 run on AMX tiles instead.)"""
     base = {
         "batch": 2, "heads_kv": 2, "group": 4, "seq_q": 3, "seq_k": 301, "head_dim": 64, "head_dim_v": 64,
         "dtype": dtype, "layout": "bhsd", "causal": False, "window": None, "mask_kind": None,
@@ -232,7 +240,10 @@ def test_row_blocks_of_the_vector_forward_match_oracle(options, dtype, threads) 
     case = Case(**{**base, **options})
     problem = _problem_of(case)
     rows = case.group * min(case.seq_q, cpu_backend.TILE_ROWS // case.group)
-    if not (dtype == "bfloat16" and isa.active() in ("avx512bf16", "amx")):
+    on_pairs = (dtype == "bfloat16" and isa.active() in ("avx512bf16", "amx")) or (
+        dtype == "float16" and isa.active() == "amx"
+    )
+    if not on_pairs:
         assert _flash.forward_kernel(problem, rows, cpu_backend.KEY_TILE) == "vector"
     fastattn.set_num_threads(2)
     check_forward("cpu", "cpu", case)
@@ -288,12 +299,14 @@ AMX_TILE_CASES = {
 }
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("options", list(AMX_TILE_CASES.values()), ids=list(AMX_TILE_CASES))
-def test_bfloat16_large_tiles_match_oracle(options) -> None:
-    """bfloat16 with enough work items for the AMX kernel's large tiles (AMX_TILE_ROWS query rows,
-    AMX_KEY_TILE keys, 600 keys ending on a partial tile) on the amx level, V packed once for the
-    query blocks (windows then start on a tile boundary); the vector kernels elsewhere."""
-    case = _bfloat16_case(options)
+def test_half_precision_large_tiles_match_oracle(options, dtype) -> None:
+    """bfloat16 and float16 with enough work items for the AMX kernel's large tiles (AMX_TILE_ROWS
+    query rows, AMX_KEY_TILE keys, 600 keys ending on a partial tile) on the amx level, V packed once
+    for the query blocks (float16: K and V split into bfloat16 parts once; windows then start on a
+    tile boundary); the vector kernels elsewhere."""
+    case = _bfloat16_case(options, dtype=dtype)
     if isa.active() == "amx":  # 20 items of 64 positions: four for each of up to 5 threads
         problem = _problem_of(case)
         assert cpu_backend.tile_sizes(problem, 2) == (cpu_backend.AMX_TILE_ROWS, cpu_backend.AMX_KEY_TILE)
@@ -322,10 +335,11 @@ def test_half_precision_keys_and_values_converted_once_match_oracle(options, dty
     """float16/bfloat16 prefills (2 kv heads of group 2, 300 positions: ten query blocks a head) on
     the vector kernels convert K and V to float32 once per call, before the items
     (``converts_kv_once`` in fastattn/_cpu/forward_items.h): every level but amx, and at the
-    avx512bf16 level float16 only (bfloat16 runs on ``vdpbf16ps`` there)."""
+    avx512bf16 level float16 only (bfloat16 runs on ``vdpbf16ps`` there).  At the amx level the pass
+    packs bfloat16 V^T, or splits float16 K and V into bfloat16 parts (flash_amx.h), for the AMX items."""
     case = _bfloat16_case(options, dtype=dtype)
     plan = cpu_backend.forward_plan(_problem_of(case), 2)
-    if isa.active() in ("avx2", "generic", "avx512") or (isa.active() == "avx512bf16" and dtype == "float16"):
+    if isa.active() in ("avx2", "generic", "avx512", "amx") or (isa.active() == "avx512bf16" and dtype == "float16"):
         assert plan.packs_kv, "ten query blocks share each converted K/V tile"
     fastattn.set_num_threads(2)
     check_forward("cpu", "cpu", case)
@@ -370,6 +384,30 @@ def test_bfloat16_forward_on_the_dot_product_units_matches_oracle(options, threa
     assert kernel == {"avx512bf16": "dpbf16", "amx": "amx"}.get(isa.active(), "vector")
     fastattn.set_num_threads(2)
     check_forward("cpu", "cpu", case)
+
+
+@pytest.mark.parametrize("options", list(PAIRS_FORWARD_CASES.values()), ids=list(PAIRS_FORWARD_CASES))
+def test_float16_forward_keeps_float32_accuracy(options, threads) -> None:
+    """float16 forward items on the amx level run on AMX tiles as three products of bfloat16 parts
+    (fastattn/_cpu/flash_bf16.h: split_floats), float32 vectors elsewhere: either way within twice the
+    error of the float32 kernels' output rounded to float16 (a float16 -> bfloat16 rounding of the
+    inputs or of P would be ~8x that), and within the conformance tolerance of the oracle."""
+    case = _bfloat16_case(options, seq_k=601, dtype="float16")
+    problem = _problem_of(case)
+    block_queries = cpu_backend.plan(problem, 2)[0]
+    kernel = _flash.forward_kernel(problem, block_queries, cpu_backend.tile_sizes(problem, 2)[1])
+    assert kernel == ("amx" if isa.active() == "amx" else "vector")
+    fastattn.set_num_threads(2)
+    check_forward("cpu", "cpu", case)
+    inputs = make_inputs(case)
+    options = case.kwargs(inputs)
+    out = fastattn.attention(inputs["q"], inputs["k"], inputs["v"], backend="cpu", **options)
+    out32 = fastattn.attention(*(inputs[name].astype(np.float32) for name in "qkv"), backend="cpu", **options)
+    expected, _ = _oracle.forward(*(bhsd_float64(inputs[name], case.layout) for name in "qkv"),
+                                  case.oracle_options(inputs))
+    error = relative_error(bhsd_float64(out, case.layout), expected)
+    error32 = relative_error(bhsd_float64(out32.astype(np.float16), case.layout), expected)
+    assert error <= 2 * error32, f"float16 {error:.3g} against float32 rounded to float16 {error32:.3g}"
 
 
 DOT_DECODE_CASES = {
@@ -427,13 +465,14 @@ def test_bfloat16_dropout_drops_the_references_elements(seq_q: int) -> None:
 
 @pytest.mark.parametrize(
     ("dtype", "head_dim", "head_dim_v", "expected"),
-    [("bfloat16", 64, 64, True), ("bfloat16", 48, 64, False), ("bfloat16", 64, 40, False), ("float32", 64, 64, False)],
+    [("bfloat16", 64, 64, True), ("bfloat16", 48, 64, False), ("bfloat16", 64, 40, False), ("float16", 64, 64, True),
+     ("float16", 64, 40, False), ("float32", 64, 64, False)],
 )
 def test_planner_picks_amx_tiles_by_the_kernels_rule(
     dtype: str, head_dim: int, head_dim_v: int, expected: bool
 ) -> None:
     """The planner asks the kernels (``_flash.forward_kernel``) rather than restating their rule."""
-    numpy_dtype = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float32
+    numpy_dtype = fastattn._arrays.numpy_dtype(dtype)
     q = np.zeros((2, 4, 300, head_dim), numpy_dtype)
     k = np.zeros((2, 2, 600, head_dim), numpy_dtype)
     v = np.zeros((2, 2, 600, head_dim_v), numpy_dtype)

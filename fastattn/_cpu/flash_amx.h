@@ -68,9 +68,10 @@ static bool amx_forward_applies(const FwdParams& p, int64_t rows) {
 }
 
 /* Vt[cb][ks][16][32]: the A tiles of O^T += V^T P^T for the tile's n keys (rows v, v_stride
- * elements apart), keys from n up to the next multiple of 32 zero.  Per 32 keys x 16 columns: rows
- * 2i and 2i+1 interleave into dwords (V[2i][c], V[2i+1][c]), then a 16 x 16 dword transpose makes
- * row c = (V[0][c], V[1][c], ..., V[31][c]). */
+ * elements apart, read by Rows: flash_bf16.h), keys from n up to the next multiple of 32 zero.  Per
+ * 32 keys x 16 columns: rows 2i and 2i+1 interleave into dwords (V[2i][c], V[2i+1][c]), then a
+ * 16 x 16 dword transpose makes row c = (V[0][c], V[1][c], ..., V[31][c]). */
+template <typename Rows = Bf16Rows>
 static void pack_values_transposed(const uint16_t* v, int64_t v_stride, int64_t n, int64_t Dv, uint16_t* vt) {
     const __m512i interleave = interleave_halves_index();
     const int64_t steps = (n + 31) / 32;
@@ -81,10 +82,8 @@ static void pack_values_transposed(const uint16_t* v, int64_t v_stride, int64_t 
             for (int i = 0; i < 16; ++i) {
                 const int64_t k0 = 2 * i, k1 = 2 * i + 1;
                 const uint16_t* row0 = v + (ks * 32 + k0) * v_stride + cb * 16;
-                const __m256i low = k0 < keys ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row0))
-                                              : _mm256_setzero_si256();
-                const __m256i high = k1 < keys ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row0 + v_stride))
-                                               : _mm256_setzero_si256();
+                const __m256i low = k0 < keys ? Rows::row16(row0) : _mm256_setzero_si256();
+                const __m256i high = k1 < keys ? Rows::row16(row0 + v_stride) : _mm256_setzero_si256();
                 r[i] = _mm512_permutexvar_epi16(interleave, _mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1));
             }
             transpose_16x16_dwords(r);
@@ -95,25 +94,56 @@ static void pack_values_transposed(const uint16_t* v, int64_t v_stride, int64_t 
 }
 
 
-/* ---- the two products ----------------------------------------------------------------------------- */
+/* ---- the two products -----------------------------------------------------------------------------
+ *
+ * Each runs 2 x 2 blocks of C tiles 0-3 += A tiles 4, 5 times B tiles 6, 7.  With Split (float16
+ * inputs as bfloat16 parts: flash_bf16.h, split_floats) every step runs three products, A's hi by
+ * B's lo, A's hi by B's hi, A's lo by B's hi, the lo parts a_lo and b_lo elements after the hi ones:
+ * 12 tdpbf16ps for 8 tile loads. */
 
-/* One 2 x 2 (or smaller) block of S^T: key blocks k0 (and k0 + 16), row tiles rt (and rt + 1). */
-template <int KB, int RT>
+/* C tiles 0-3 += the 2 x 2 (MB x NB) products of the loaded A tiles 4, 5 and B tiles 6, 7. */
+template <int MB, int NB> static inline void products_2x2() {
+    _tile_dpbf16ps(0, 4, 6);
+    if (NB > 1) _tile_dpbf16ps(1, 4, 7);
+    if (MB > 1) _tile_dpbf16ps(2, 5, 6);
+    if (MB > 1 && NB > 1) _tile_dpbf16ps(3, 5, 7);
+}
+
+/* One step of a 2 x 2 block: a0/a1 the A tiles' first elements (a1 read only for MB > 1), b0/b1 the
+ * B tiles' (b1 for NB > 1), each part's lo part a_lo / b_lo elements on when Split. */
+template <int MB, int NB, bool Split>
+static inline void step_2x2(const uint16_t* a0, const uint16_t* a1, int64_t a_bytes, int64_t a_lo, const uint16_t* b0,
+                            const uint16_t* b1, int64_t b_bytes, int64_t b_lo) {
+    _tile_loadd(4, a0, a_bytes);
+    if (MB > 1) _tile_loadd(5, a1, a_bytes);
+    if (Split) {
+        _tile_loadd(6, b0 + b_lo, b_bytes);
+        if (NB > 1) _tile_loadd(7, b1 + b_lo, b_bytes);
+        products_2x2<MB, NB>();
+    }
+    _tile_loadd(6, b0, b_bytes);
+    if (NB > 1) _tile_loadd(7, b1, b_bytes);
+    products_2x2<MB, NB>();
+    if (Split) {
+        _tile_loadd(4, a0 + a_lo, a_bytes);
+        if (MB > 1) _tile_loadd(5, a1 + a_lo, a_bytes);
+        products_2x2<MB, NB>();
+    }
+}
+
+/* One 2 x 2 (or smaller) block of S^T: key blocks k0 (and k0 + 16), row tiles rt (and rt + 1);
+ * with Split, K's lo part k_lo elements after each row's hi part, Q's q_lo after its hi packing. */
+template <int KB, int RT, bool Split>
 static inline void scores_block(const uint16_t* k_rows0, const uint16_t* k_rows1, int64_t k_bytes, const uint16_t* qb,
-                                int64_t D, int64_t rt, float* s, int64_t mp) {
+                                int64_t D, int64_t rt, float* s, int64_t mp, int64_t k_lo, int64_t q_lo) {
     _tile_zero(0);
     if (RT > 1) _tile_zero(1);
     if (KB > 1) _tile_zero(2);
     if (KB > 1 && RT > 1) _tile_zero(3);
     for (int64_t step = 0; step < D / 32; ++step) {
-        _tile_loadd(4, k_rows0 + step * 32, k_bytes);
-        if (KB > 1) _tile_loadd(5, k_rows1 + step * 32, k_bytes);
-        _tile_loadd(6, qb + (rt * (D / 2) + step * 16) * 32, 64);
-        if (RT > 1) _tile_loadd(7, qb + ((rt + 1) * (D / 2) + step * 16) * 32, 64);
-        _tile_dpbf16ps(0, 4, 6);
-        if (RT > 1) _tile_dpbf16ps(1, 4, 7);
-        if (KB > 1) _tile_dpbf16ps(2, 5, 6);
-        if (KB > 1 && RT > 1) _tile_dpbf16ps(3, 5, 7);
+        const uint16_t* q0 = qb + (rt * (D / 2) + step * 16) * 32;
+        step_2x2<KB, RT, Split>(k_rows0 + step * 32, KB > 1 ? k_rows1 + step * 32 : nullptr, k_bytes, k_lo, q0,
+                                RT > 1 ? q0 + (D / 2) * 32 : nullptr, 64, q_lo);
     }
     const int64_t s_bytes = mp * 4;
     float* first = s + rt * 16;
@@ -123,18 +153,21 @@ static inline void scores_block(const uint16_t* k_rows0, const uint16_t* k_rows1
     if (KB > 1 && RT > 1) _tile_stored(3, first + 16 * mp + 16, s_bytes);
 }
 
-/* S^T[j][rows] for the tile's n keys (rounded up to 16; the padded keys' scores are never read). */
+/* S^T[j][rows] for the tile's n keys (rounded up to 16; the padded keys' scores are never read).
+ * Split: float16 inputs' parts, K's rows [hi (D) | lo (D)] (k_lo = D), Q's lo packing q_lo elements
+ * after its hi. */
+template <bool Split = false>
 static void tile_scores(const uint16_t* k, int64_t k_stride, int64_t n, const uint16_t* qb, int64_t D, float* s,
-                        int64_t mp, uint16_t* k_block) {
+                        int64_t mp, uint16_t* k_block, int64_t k_lo = 0, int64_t q_lo = 0) {
     const int64_t blocks = (n + 15) / 16, row_tiles = mp / 16, k_bytes = k_stride * 2;
-    const int64_t tail = n % 16;
+    const int64_t tail = n % 16, row = D + k_lo; /* a key's elements: its hi part, and its lo part */
     if (tail) { /* the last block's missing rows: zeros, not whatever follows K */
-        std::memset(k_block, 0, sizeof(uint16_t) * 16 * D);
-        for (int64_t j = 0; j < tail; ++j) std::memcpy(k_block + j * D, k + (n - tail + j) * k_stride, 2 * D);
+        std::memset(k_block, 0, sizeof(uint16_t) * 16 * row);
+        for (int64_t j = 0; j < tail; ++j) std::memcpy(k_block + j * row, k + (n - tail + j) * k_stride, 2 * row);
     }
     auto rows_of = [&](int64_t block, int64_t* bytes) -> const uint16_t* {
         if (tail && block == blocks - 1) {
-            *bytes = D * 2;
+            *bytes = row * 2;
             return k_block;
         }
         *bytes = k_bytes;
@@ -148,31 +181,32 @@ static void tile_scores(const uint16_t* k, int64_t k_stride, int64_t n, const ui
         float* block_s = s + kb * 16 * mp;
         if (pair && bytes0 != bytes1) { /* the padded block has its own stride: one block at a time */
             for (int64_t rt = 0; rt < row_tiles; ++rt) {
-                scores_block<1, 1>(rows0, nullptr, bytes0, qb, D, rt, block_s, mp);
-                scores_block<1, 1>(rows1, nullptr, bytes1, qb, D, rt, block_s + 16 * mp, mp);
+                scores_block<1, 1, Split>(rows0, nullptr, bytes0, qb, D, rt, block_s, mp, k_lo, q_lo);
+                scores_block<1, 1, Split>(rows1, nullptr, bytes1, qb, D, rt, block_s + 16 * mp, mp, k_lo, q_lo);
             }
             continue;
         }
         int64_t rt = 0;
         for (; rt + 2 <= row_tiles; rt += 2) {
             if (pair)
-                scores_block<2, 2>(rows0, rows1, bytes0, qb, D, rt, block_s, mp);
+                scores_block<2, 2, Split>(rows0, rows1, bytes0, qb, D, rt, block_s, mp, k_lo, q_lo);
             else
-                scores_block<1, 2>(rows0, nullptr, bytes0, qb, D, rt, block_s, mp);
+                scores_block<1, 2, Split>(rows0, nullptr, bytes0, qb, D, rt, block_s, mp, k_lo, q_lo);
         }
         if (rt < row_tiles) {
             if (pair)
-                scores_block<2, 1>(rows0, rows1, bytes0, qb, D, rt, block_s, mp);
+                scores_block<2, 1, Split>(rows0, rows1, bytes0, qb, D, rt, block_s, mp, k_lo, q_lo);
             else
-                scores_block<1, 1>(rows0, nullptr, bytes0, qb, D, rt, block_s, mp);
+                scores_block<1, 1, Split>(rows0, nullptr, bytes0, qb, D, rt, block_s, mp, k_lo, q_lo);
         }
     }
 }
 
-/* One 2 x 2 (or smaller) block of O^T: column blocks cb (and cb + 1), row tiles rt (and rt + 1). */
-template <int CB, int RT>
+/* One 2 x 2 (or smaller) block of O^T: column blocks cb (and cb + 1), row tiles rt (and rt + 1);
+ * with Split, V^T's lo part v_lo elements after its hi, P's p_lo after its hi. */
+template <int CB, int RT, bool Split>
 static inline void output_block(const uint16_t* vt, int64_t steps, int64_t cb, const uint16_t* pb, int64_t N,
-                                int64_t rt, int64_t key_steps, float* o, int64_t mp) {
+                                int64_t rt, int64_t key_steps, float* o, int64_t mp, int64_t v_lo, int64_t p_lo) {
     const int64_t o_bytes = mp * 4;
     float* first = o + cb * 16 * mp + rt * 16;
     _tile_loadd(0, first, o_bytes);
@@ -180,14 +214,10 @@ static inline void output_block(const uint16_t* vt, int64_t steps, int64_t cb, c
     if (CB > 1) _tile_loadd(2, first + 16 * mp, o_bytes);
     if (CB > 1 && RT > 1) _tile_loadd(3, first + 16 * mp + 16, o_bytes);
     for (int64_t ks = 0; ks < key_steps; ++ks) {
-        _tile_loadd(4, vt + (cb * steps + ks) * 512, 64);
-        if (CB > 1) _tile_loadd(5, vt + ((cb + 1) * steps + ks) * 512, 64);
-        _tile_loadd(6, pb + rt * N * 16 + ks * 512, 64);
-        if (RT > 1) _tile_loadd(7, pb + (rt + 1) * N * 16 + ks * 512, 64);
-        _tile_dpbf16ps(0, 4, 6);
-        if (RT > 1) _tile_dpbf16ps(1, 4, 7);
-        if (CB > 1) _tile_dpbf16ps(2, 5, 6);
-        if (CB > 1 && RT > 1) _tile_dpbf16ps(3, 5, 7);
+        const uint16_t* v0 = vt + (cb * steps + ks) * 512;
+        const uint16_t* p0 = pb + rt * N * 16 + ks * 512;
+        step_2x2<CB, RT, Split>(v0, CB > 1 ? v0 + steps * 512 : nullptr, 64, v_lo, p0,
+                                RT > 1 ? p0 + N * 16 : nullptr, 64, p_lo);
     }
     _tile_stored(0, first, o_bytes);
     if (RT > 1) _tile_stored(1, first + 16, o_bytes);
@@ -196,24 +226,26 @@ static inline void output_block(const uint16_t* vt, int64_t steps, int64_t cb, c
 }
 
 /* O^T[Dv][rows] += V^T P^T over the tile's first key_steps of 32 keys; vt packed with `steps` of them
- * (pack_values_transposed's layout: a packed tile may hold more keys than an item reads). */
+ * (pack_values_transposed's layout: a packed tile may hold more keys than an item reads).  Split:
+ * float16 inputs' parts, V^T's lo part v_lo elements after its hi, P's p_lo after its hi. */
+template <bool Split = false>
 static void tile_output(const uint16_t* vt, int64_t steps, const uint16_t* pb, int64_t N, int64_t key_steps,
-                        int64_t Dv, float* o, int64_t mp) {
+                        int64_t Dv, float* o, int64_t mp, int64_t v_lo = 0, int64_t p_lo = 0) {
     const int64_t column_blocks = Dv / 16, row_tiles = mp / 16;
     for (int64_t cb = 0; cb < column_blocks; cb += 2) {
         const bool pair = cb + 1 < column_blocks;
         int64_t rt = 0;
         for (; rt + 2 <= row_tiles; rt += 2) {
             if (pair)
-                output_block<2, 2>(vt, steps, cb, pb, N, rt, key_steps, o, mp);
+                output_block<2, 2, Split>(vt, steps, cb, pb, N, rt, key_steps, o, mp, v_lo, p_lo);
             else
-                output_block<1, 2>(vt, steps, cb, pb, N, rt, key_steps, o, mp);
+                output_block<1, 2, Split>(vt, steps, cb, pb, N, rt, key_steps, o, mp, v_lo, p_lo);
         }
         if (rt < row_tiles) {
             if (pair)
-                output_block<2, 1>(vt, steps, cb, pb, N, rt, key_steps, o, mp);
+                output_block<2, 1, Split>(vt, steps, cb, pb, N, rt, key_steps, o, mp, v_lo, p_lo);
             else
-                output_block<1, 1>(vt, steps, cb, pb, N, rt, key_steps, o, mp);
+                output_block<1, 1, Split>(vt, steps, cb, pb, N, rt, key_steps, o, mp, v_lo, p_lo);
         }
     }
 }
@@ -312,6 +344,72 @@ static void pack_value_item(const FwdParams& p, int64_t item) {
                            reinterpret_cast<uint16_t*>(p.packed_kv) + slot * p.key_tile * p.head_dim_v);
 }
 
+/* ---- float16 K and V as bfloat16 parts, once per call ----------------------------------------------
+ *
+ * float16 items run the bfloat16 products three times over the inputs' parts (flash_bf16.h:
+ * split_floats): a pass before the items (on every call, whatever the query blocks or key splits: the
+ * items read nothing else) writes, for each (b, kv head), K's rows as [hi (D) | lo (D)] ([Sk][2 D]),
+ * then, per key tile, V^T's hi part and its lo part, N x Dv elements each (pack_values_transposed's
+ * layout).  Keys at or past the batch row's key_lengths are not written and never read.  The copies
+ * take 4 B Hkv Sk (D + Dv) bytes, twice the inputs' K and V, as the float32 copies of the levels
+ * below (converts_kv_once) do. */
+static bool amx_splits_halves(const FwdParams& p) {
+    return p.dtype == DTYPE_FLOAT16 && amx_forward_applies(p, p.group * std::min(p.block_queries, p.seq_q));
+}
+
+static size_t split_halves_bytes(const FwdParams& p) {
+    if (!amx_splits_halves(p)) return 0;
+    const int64_t keys = p.seq_k * 2 * p.head_dim, values = packed_value_tiles(p) * p.key_tile * 2 * p.head_dim_v;
+    return (size_t)(p.batch * p.heads_kv * (keys + values) * 2);
+}
+
+static inline uint16_t* split_keys(const FwdParams& p, int64_t b, int64_t kvh) {
+    return reinterpret_cast<uint16_t*>(p.packed_kv) + (b * p.heads_kv + kvh) * p.seq_k * 2 * p.head_dim;
+}
+
+/* V^T's parts of (b, kvh, tile): hi, then lo key_tile x Dv elements on; *steps its steps of 32 keys. */
+static inline uint16_t* split_value_tile(const FwdParams& p, int64_t b, int64_t kvh, int64_t tile, int64_t* steps) {
+    *steps = (packed_value_keys(p, b, tile) + 31) / 32;
+    const int64_t slot = (b * p.heads_kv + kvh) * packed_value_tiles(p) + tile;
+    return reinterpret_cast<uint16_t*>(p.packed_kv) + p.batch * p.heads_kv * p.seq_k * 2 * p.head_dim +
+           slot * p.key_tile * 2 * p.head_dim_v;
+}
+
+/* The pass's item: one (b, kv head, key tile). */
+static void split_halves_item(const FwdParams& p, int64_t item) {
+    const int64_t tile = item % packed_value_tiles(p), kvh = (item / packed_value_tiles(p)) % p.heads_kv;
+    const int64_t b = item / (packed_value_tiles(p) * p.heads_kv), n = packed_value_keys(p, b, tile);
+    if (n == 0) return;
+    const int64_t D = p.head_dim, Dv = p.head_dim_v, kt = tile * p.key_tile;
+    const uint16_t* k = at<uint16_t>(p.k, b * p.k_stride[0] + kvh * p.k_stride[1] + kt * p.k_stride[2]);
+    const uint16_t* v = at<uint16_t>(p.v, b * p.v_stride[0] + kvh * p.v_stride[1] + kt * p.v_stride[2]);
+    uint16_t* keys = split_keys(p, b, kvh) + kt * 2 * D;
+    for (int64_t j = 0; j < n; ++j)
+        for (int64_t d = 0; d < D; d += 16) {
+            __m256i hi, lo;
+            split_floats(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(k + j * p.k_stride[2] + d))),
+                         &hi, &lo);
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(keys + j * 2 * D + d), hi);
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(keys + j * 2 * D + D + d), lo);
+        }
+    int64_t steps;
+    uint16_t* vt = split_value_tile(p, b, kvh, tile, &steps);
+    pack_values_transposed<HalfPart<true>>(v, p.v_stride[2], n, Dv, vt);
+    pack_values_transposed<HalfPart<false>>(v, p.v_stride[2], n, Dv, vt + p.key_tile * Dv);
+}
+
+/* The AMX level's pass before the items: its bytes and its item. */
+static size_t amx_packed_bytes(const FwdParams& p) {
+    return p.dtype == DTYPE_FLOAT16 ? split_halves_bytes(p) : packed_values_bytes(p);
+}
+
+static void amx_pack_item(const FwdParams& p, int64_t item) {
+    if (p.dtype == DTYPE_FLOAT16)
+        split_halves_item(p, item);
+    else
+        pack_value_item(p, item);
+}
+
 /* ---- one work item --------------------------------------------------------------------------------- */
 
 static void forward_block_amx(const FwdParams& p, char* scratch, int64_t b, int64_t kvh, int64_t q0, int64_t qn,
@@ -330,11 +428,21 @@ static void forward_block_amx(const FwdParams& p, char* scratch, int64_t b, int6
      * the window are hidden by finish_scores' edge test). */
     if (p.packed_kv) lo = lo / N * N;
 
-    const PackProbabilities packer{buffers.pb, N, interleave_halves_index()};
+    const bool split = p.dtype == DTYPE_FLOAT16; /* K and V split once per call: split_halves_item */
+    const PackProbabilities packer{buffers.pb, N, interleave_halves_index(), split ? N * mp : 0};
     configure_tiles();
     for (int64_t kt = lo; kt < hi; kt += N) {
         const int64_t n = std::min(N, hi - kt);
         if (p.mask_kind != MASK_NONE && mask_hides_tile(p, b, kvh, q0, qn, kt, n)) continue;
+        if (split) {
+            tile_scores<true>(split_keys(p, b, kvh) + kt * 2 * D, 2 * D, n, buffers.qb, D, s, mp, buffers.k_block, D,
+                              mp * D);
+            scores_to_pairs(p, buffers, packer, b, kvh, q0, qn, mp, kt, n);
+            int64_t steps;
+            const uint16_t* vt = split_value_tile(p, b, kvh, kt / N, &steps);
+            tile_output<true>(vt, steps, buffers.pb, N, (n + 31) / 32, Dv, o, mp, N * Dv, N * mp);
+            continue;
+        }
         const uint16_t* k = at<uint16_t>(p.k, b * p.k_stride[0] + kvh * p.k_stride[1] + kt * p.k_stride[2]);
         const uint16_t* v = at<uint16_t>(p.v, b * p.v_stride[0] + kvh * p.v_stride[1] + kt * p.v_stride[2]);
 

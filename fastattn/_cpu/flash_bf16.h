@@ -44,7 +44,9 @@ inline namespace FASTATTN_ISA_NAMESPACE {
 
 static inline int64_t align64(int64_t bytes) { return (bytes + 63) / 64 * 64; }
 
-/* The item's buffers, carved from the thread's scratch (64-byte aligned). */
+/* The item's buffers, carved from the thread's scratch (64-byte aligned).  float16 inputs on AMX
+ * (flash_amx.h) hold two parts of each packed operand (split_floats): qb, pb, vt and k_block twice
+ * the size. */
 struct PairBuffers {
     float *s, *o, *row_max, *row_sum, *position;
     uint16_t *qb, *pb, *vt, *k_block;
@@ -53,9 +55,10 @@ struct PairBuffers {
 
     int64_t carve(const FwdParams& p, char* base) {
         const int64_t mp = round_up(p.group * p.block_queries, 32), N = p.key_tile;
-        const int64_t D = p.head_dim, Dv = p.head_dim_v;
-        const int64_t sizes[] = {4 * N * mp, 4 * Dv * mp, 4 * mp, 4 * mp, 4 * mp, 2 * mp * D, 2 * N * mp, 2 * Dv * N,
-                                 2 * 16 * D};
+        const int64_t D = p.head_dim, Dv = p.head_dim_v, parts = p.dtype == DTYPE_FLOAT16 ? 2 : 1;
+        const int64_t sizes[] = {4 * N * mp,         4 * Dv * mp,        4 * mp,
+                                 4 * mp,             4 * mp,             2 * parts * mp * D,
+                                 2 * parts * N * mp, 2 * parts * Dv * N, 2 * parts * 16 * D};
         void** slots[] = {(void**)&s,   (void**)&o,  (void**)&row_max, (void**)&row_sum, (void**)&position,
                           (void**)&qb,  (void**)&pb, (void**)&vt,      (void**)&k_block};
         int64_t offset = 0;
@@ -64,6 +67,53 @@ struct PairBuffers {
             offset += align64(sizes[i]);
         }
         return offset;
+    }
+};
+
+/* ---- float16 as two bfloat16 parts ------------------------------------------------------------------
+ *
+ * A float16 x is hi + lo exactly: hi, x rounded to bfloat16, keeps the top 8 of its 11 significant
+ * bits, and lo = x - hi is a multiple of x's last place no larger than 4 of them, 3 bits, which
+ * bfloat16 holds (float16's range lies inside bfloat16's, subnormals included).  So x y = hi hi' +
+ * hi lo' + lo hi' + lo lo', each product exact in float32; the AMX forward (flash_amx.h) runs the
+ * first three on bfloat16 tiles (the fourth is below 2^-16 of x y) with float32 accumulation: the
+ * products of float16 inputs without float16's rounding, on AMX's bfloat16 units (AVX512_FP16's
+ * FMAs accumulate in float16; the Xeons with AMX have no float16 tiles before AMX-FP16).  A float32
+ * P splits the same way to 16 significant bits (error below 2^-17 of P), finer than the float16 P
+ * the GPU kernels multiply V by. */
+
+/* Bfloat16 values (a vector of 16 in the low words of each dword pair) back to float32. */
+static inline __m512 widen_bf16(__m256i words) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(words), 16));
+}
+
+/* 16 floats as bfloat16 parts hi (x rounded) and lo (x - hi rounded); lo is 0 where hi is infinite
+ * (inf - inf would make it NaN), NaN where x is. */
+static inline void split_floats(__m512 x, __m256i* hi, __m256i* lo) {
+    const __m256i high = (__m256i)_mm512_cvtneps_pbh(x);
+    const __m512 widened = widen_bf16(high);
+    const __mmask16 finite = (__mmask16)~_mm512_fpclass_ps_mask(widened, 0x18); /* 0x18: +inf, -inf */
+    *hi = high;
+    *lo = (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_sub_ps(finite, x, widened));
+}
+
+/* How the packers read a row's bfloat16 operand: 32 (row32) or 16 (row16) values from `src`.
+ * Bf16Rows: bfloat16 inputs as they lie; HalfPart<High>: float16 inputs' hi or lo part. */
+struct Bf16Rows {
+    static inline __m512i row32(const uint16_t* src) { return _mm512_loadu_si512(src); }
+    static inline __m256i row16(const uint16_t* src) {
+        return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+    }
+};
+
+template <bool High> struct HalfPart {
+    static inline __m256i row16(const uint16_t* src) {
+        __m256i hi, lo;
+        split_floats(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src))), &hi, &lo);
+        return High ? hi : lo;
+    }
+    static inline __m512i row32(const uint16_t* src) {
+        return _mm512_inserti64x4(_mm512_castsi256_si512(row16(src)), row16(src + 16), 1);
     }
 };
 
@@ -93,10 +143,10 @@ static inline void transpose_16x16_dwords(__m512i r[16]) {
     }
 }
 
-/* Out[rt][dims/2][16][2]: rows 0..mp-1 (row(r): a pointer to its `dims` bfloat16 values, or null
- * for a zero row) as B tiles whose K dimension is the columns, in pairs: per 16 rows and 32
+/* Out[rt][dims/2][16][2]: rows 0..mp-1 (row(r): a pointer to its `dims` values, or null for a zero
+ * row, read by Rows) as B tiles whose K dimension is the columns, in pairs: per 16 rows and 32
  * columns, the rows' 16 dwords transposed in registers.  dims: a multiple of 32. */
-template <typename RowOf>
+template <typename Rows = Bf16Rows, typename RowOf>
 static void pack_column_pairs(RowOf row, int64_t mp, int64_t dims, uint16_t* out) {
     for (int64_t rt = 0; rt < mp / 16; ++rt) {
         const uint16_t* src[16];
@@ -104,7 +154,7 @@ static void pack_column_pairs(RowOf row, int64_t mp, int64_t dims, uint16_t* out
         for (int64_t step = 0; step < dims / 32; ++step) {
             __m512i r[16];
             for (int i = 0; i < 16; ++i)
-                r[i] = src[i] ? _mm512_loadu_si512(src[i] + step * 32) : _mm512_setzero_si512();
+                r[i] = src[i] ? Rows::row32(src[i] + step * 32) : _mm512_setzero_si512();
             transpose_16x16_dwords(r);
             uint16_t* tile = out + (rt * (dims / 2) + step * 16) * 32;
             for (int pair = 0; pair < 16; ++pair) _mm512_storeu_si512(tile + pair * 32, r[pair]);
@@ -137,7 +187,8 @@ template <typename RowOf> static void pack_row_pairs(RowOf row, int64_t mp, int6
     pack_row_pairs(row, mp, dims, out, [] {});
 }
 
-/* Qb[rt][D/2][16][2]: the B tiles of S^T = K Q^T, row tile rt, 32 dims a step (16 pair-rows). */
+/* Qb[rt][D/2][16][2]: the B tiles of S^T = K Q^T, row tile rt, 32 dims a step (16 pair-rows);
+ * float16 Q's hi part there and its lo part mp * D elements on. */
 static void pack_queries(const FwdParams& p, int64_t b, int64_t kvh, int64_t q0, int64_t qn, int64_t mp,
                          uint16_t* qb) {
     const int64_t rows = p.group * qn;
@@ -146,7 +197,12 @@ static void pack_queries(const FwdParams& p, int64_t b, int64_t kvh, int64_t q0,
         const int64_t h = kvh * p.group + r / qn, i = q0 + r % qn;
         return at<uint16_t>(p.q, b * p.q_stride[0] + h * p.q_stride[1] + i * p.q_stride[2]);
     };
-    pack_column_pairs(row, mp, p.head_dim, qb);
+    if (p.dtype == DTYPE_FLOAT16) {
+        pack_column_pairs<HalfPart<true>>(row, mp, p.head_dim, qb);
+        pack_column_pairs<HalfPart<false>>(row, mp, p.head_dim, qb + mp * p.head_dim);
+    } else {
+        pack_column_pairs(row, mp, p.head_dim, qb);
+    }
 }
 
 /* Word index that interleaves the two halves of a 32-word vector: (w0, w16, w1, w17, ...). */
@@ -156,23 +212,34 @@ static inline __m512i interleave_halves_index() {
     return _mm512_load_si512(index);
 }
 
-/* Pb[rt][N/2][16][2]: the B tiles of O^T += V^T P^T, P rounded to bfloat16.  online_softmax hands
- * over keys j and j + 1 of 16 rows (r, a multiple of 16) as they are computed, so P never returns to
- * S; `zero_tail` then clears the pairs from n up to the next multiple of 32 keys. */
+/* Pb[rt][N/2][16][2]: the B tiles of O^T += V^T P^T, P rounded to bfloat16 (for float16 inputs,
+ * lo_offset > 0: P's hi part, and its lo part lo_offset elements on).  online_softmax hands over keys
+ * j and j + 1 of 16 rows (r, a multiple of 16) as they are computed, so P never returns to S;
+ * `zero_tail` then clears the pairs from n up to the next multiple of 32 keys. */
 struct PackProbabilities {
     uint16_t* pb;
     int64_t N;
     __m512i interleave;
+    int64_t lo_offset = 0;
 
     inline void operator()(int64_t j, int64_t r, __m512 p0, __m512 p1) const {
         const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(p1, p0); /* words 0-15: p0, 16-31: p1 */
-        _mm512_storeu_si512(pb + (r / 16) * N * 16 + j * 16, _mm512_permutexvar_epi16(interleave, both));
+        uint16_t* at = pb + (r / 16) * N * 16 + j * 16;
+        _mm512_storeu_si512(at, _mm512_permutexvar_epi16(interleave, both));
+        if (lo_offset) { /* P is finite or NaN: no infinite hi part to guard */
+            const __m512 rest0 = _mm512_sub_ps(p0, widen_bf16(_mm512_castsi512_si256(both)));
+            const __m512 rest1 = _mm512_sub_ps(p1, widen_bf16(_mm512_extracti64x4_epi64(both, 1)));
+            _mm512_storeu_si512(at + lo_offset,
+                                _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(rest1, rest0)));
+        }
     }
 
     void zero_tail(int64_t n, int64_t mp) const {
         for (int64_t rt = 0; rt < mp / 16; ++rt)
-            for (int64_t j = round_up(n, 2); j < round_up(n, 32); j += 2)
+            for (int64_t j = round_up(n, 2); j < round_up(n, 32); j += 2) {
                 _mm512_storeu_si512(pb + rt * N * 16 + j * 16, _mm512_setzero_si512());
+                if (lo_offset) _mm512_storeu_si512(pb + lo_offset + rt * N * 16 + j * 16, _mm512_setzero_si512());
+            }
     }
 
     /* From P already in S[j][rows] (the dropout path, which scales P after the row sums took it). */
@@ -186,8 +253,8 @@ struct PackProbabilities {
 };
 
 /* Normalise and write the item's rows from O^T[Dv][rows]: 16 x 16 blocks transposed in registers,
- * each row scaled by 1 / row_sum, rounded to bfloat16 (or kept float32 for a key split's partial
- * output) and stored whole; then each row's lse.  Same conventions as write_row. */
+ * each row scaled by 1 / row_sum, rounded to the inputs' bfloat16 or float16 (or kept float32 for a
+ * key split's partial output) and stored whole; then each row's lse.  Same conventions as write_row. */
 static void write_rows(const FwdParams& p, int64_t b, int64_t kvh, int64_t q0, int64_t qn, int64_t rows, int64_t mp,
                        const float* o, const float* row_max, const float* row_sum, float* partial_out,
                        float* partial_lse) {
@@ -215,7 +282,10 @@ static void write_rows(const FwdParams& p, int64_t b, int64_t kvh, int64_t q0, i
                 const int64_t h = kvh * p.group + r / qn, i_query = q0 + r % qn;
                 uint16_t* dst = reinterpret_cast<uint16_t*>(p.out) + b * p.out_stride[0] + h * p.out_stride[1] +
                                 i_query * p.out_stride[2] + cb * 16;
-                _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), (__m256i)_mm512_cvtneps_pbh(value));
+                const __m256i rounded = p.dtype == DTYPE_FLOAT16
+                                            ? _mm512_cvtps_ph(value, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+                                            : (__m256i)_mm512_cvtneps_pbh(value);
+                _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), rounded);
             }
         }
     }

@@ -54,7 +54,8 @@ static void forward_decode_dpbf16(const FwdParams& p, char* scratch, int64_t b, 
                                   int64_t k_begin, int64_t k_end, float* partial_out, float* partial_lse);
 #endif
 #if defined(FASTATTN_HAS_AMX)
-/* bfloat16 items on AMX tiles: flash_amx.h, which the kernels_forward*.cpp include (active at the AMX level). */
+/* bfloat16 items on AMX tiles, and float16 forward items as bfloat16 parts: flash_amx.h, which the
+ * kernels_forward*.cpp include (active at the AMX level). */
 static bool amx_forward_applies(const FwdParams& p, int64_t rows);
 static void forward_block_amx(const FwdParams& p, char* scratch, int64_t b, int64_t kvh, int64_t q0, int64_t qn,
                               int64_t k_begin, int64_t k_end, float* partial_out, float* partial_lse);
@@ -76,7 +77,7 @@ enum ForwardKernel {
 
 static inline ForwardKernel forward_kernel_of(const FwdParams& p, int64_t rows) {
 #if defined(FASTATTN_HAS_AMX)
-    if (p.dtype == DTYPE_BFLOAT16 && amx_forward_applies(p, rows)) return KERNEL_AMX;
+    if ((p.dtype == DTYPE_BFLOAT16 || p.dtype == DTYPE_FLOAT16) && amx_forward_applies(p, rows)) return KERNEL_AMX;
     if (p.dtype == DTYPE_BFLOAT16 && amx_decode_applies(p, rows)) return KERNEL_AMX_DECODE;
 #elif defined(FASTATTN_HAS_AVX512BF16)
     if (p.dtype == DTYPE_BFLOAT16 && dpbf16_forward_applies(p, rows)) return KERNEL_DPBF16;
@@ -284,6 +285,11 @@ static void run_head(const FwdParams& p, char* scratch, int64_t b, int64_t kvh, 
             default: break;
         }
     }
+#endif
+#if defined(FASTATTN_HAS_AMX)
+    if constexpr (std::is_same<In, half_bits>::value)
+        if (forward_kernel_of(p, p.group * qn) == KERNEL_AMX)
+            return forward_block_amx(p, scratch, b, kvh, q0, qn, k_begin, k_end, partial_out, partial_lse);
 #endif
     T* buffer = reinterpret_cast<T*>(scratch);
     switch (p.group * qn) {

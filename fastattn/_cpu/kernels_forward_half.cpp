@@ -30,14 +30,18 @@ size_t forward_scratch_bytes(const FwdParams* p) {
     if (p->dtype == DTYPE_BFLOAT16) /* one head's buffers, or a group's (forward_heads with PairKernel) */
         return std::max(vectors, (size_t)(forward_head_group(*p) * (kHeadStateBytes + PairBuffers::bytes(*p))));
 #endif
+#if defined(FASTATTN_HAS_AMX)
+    if (p->dtype == DTYPE_FLOAT16) return std::max(vectors, (size_t)PairBuffers::bytes(*p)); /* its AMX items */
+#endif
     return vectors;
 }
 
-/* K/V prepared once per call before the items: V^T tiles on AMX (flash_amx.h), float16/bfloat16 K
- * and V in float32 at the other levels (forward_items.h: converts_kv_once); 0 where no pass runs. */
+/* K/V prepared once per call before the items: on AMX (flash_amx.h) bfloat16 V^T tiles, or float16
+ * K and V as bfloat16 parts; float16/bfloat16 K and V in float32 at the other levels
+ * (forward_items.h: converts_kv_once); 0 where no pass runs. */
 size_t forward_packed_bytes(const FwdParams* p) {
 #if defined(FASTATTN_HAS_AMX)
-    return packed_values_bytes(*p);
+    return amx_packed_bytes(*p);
 #else
     return converts_kv_once(*p) ? converted_kv_bytes(*p) : 0;
 #endif
@@ -46,7 +50,7 @@ size_t forward_packed_bytes(const FwdParams* p) {
 void forward_pack(const void* params, char*, int64_t item) {
     const FwdParams& p = *static_cast<const FwdParams*>(params);
 #if defined(FASTATTN_HAS_AMX)
-    pack_value_item(p, item);
+    amx_pack_item(p, item);
 #else
 #define FASTATTN_CALL(T, In) convert_kv_item<T, In>(p, item)
     FASTATTN_BY_HALF_DTYPE(p.dtype, FASTATTN_CALL)
