@@ -1,4 +1,6 @@
-/* Flash attention forward for bfloat16 inputs on AMX (Intel Sapphire Rapids and later).
+/* Flash attention forward for bfloat16 inputs on AMX (Intel Sapphire Rapids and later), and for
+ * float16 inputs as bfloat16 parts (flash_bf16.h: split_floats; the Xeons with AMX-BF16 have no
+ * float16 tiles before AMX-FP16, and AVX512_FP16's FMAs would accumulate in float16).
  *
  * The same work item, rows-as-lanes layout and online softmax as forward_block (flash_forward.h):
  * only the two products move from FMA vectors to AMX tiles.  `tdpbf16ps` multiplies a 16 x 32
@@ -29,9 +31,16 @@
  * zero in the packed operands (zero P times zero V: a NaN past the end cannot leak in); K's last
  * partial block of 16 rows is copied into a zero-padded block rather than read past the array.
  *
- * Taken when: bfloat16 inputs, D a multiple of 32, Dv of 16, key_tile of 32, more rows than the
- * decode path's, and no rerun that must skip zero weights (a product inside a tile cannot be
- * skipped); otherwise forward_block runs on float32 conversions as before.
+ * float16: Q, K, V and P as hi + lo bfloat16 parts, each product three tdpbf16ps (hi.hi, hi.lo,
+ * lo.hi: step_2x2), K and V split once per call by the pass before the items (split_halves_item), Q
+ * per item, P as the softmax hands it over.  float32's accuracy (the output error equals the float32
+ * kernels' rounded to float16) at three times the tile work: on the Xeon above float16 C1-C5 ran
+ * 1.6-2.4x faster than float32 (the float32 vector kernels on float16 copies before).
+ *
+ * Taken when: bfloat16 or float16 inputs, D a multiple of 32, Dv of 16, key_tile of 32, more rows
+ * than the decode path's, and no rerun that must skip zero weights (a product inside a tile cannot
+ * be skipped); otherwise forward_block runs on float32 conversions as before.  (float16 decodes stay
+ * on the float32 vector kernels: the split would cost what it saves where K and V are read once.)
  */
 #ifndef FASTATTN_FLASH_AMX_H
 #define FASTATTN_FLASH_AMX_H
