@@ -378,7 +378,8 @@ cdef class ForwardPlan:
     @property
     def packs_kv(self):
         """Whether a run prepares K/V once for all query blocks before its items: V^T for bfloat16 on
-        AMX tiles, float32 copies of float16/bfloat16 K and V for the vector kernels at the other levels."""
+        AMX tiles, K and V^T as bfloat16 parts for float16 on AMX tiles, float32 copies of
+        float16/bfloat16 K and V for the vector kernels at the other levels."""
         return self.packed_bytes > 0
 
     def run(self, q, k, v, extras):
