@@ -162,12 +162,10 @@ static inline void scores_block(const uint16_t* k_rows0, const uint16_t* k_rows1
     if (KB > 1 && RT > 1) _tile_stored(3, first + 16 * mp + 16, s_bytes);
 }
 
-/* S^T[j][rows] for the tile's n keys (rounded up to 16; the padded keys' scores are never read).
- * Split: float16 inputs' parts, K's rows [hi (D) | lo (D)] (k_lo = D), Q's lo packing q_lo elements
- * after its hi. */
-template <bool Split = false>
-static void tile_scores(const uint16_t* k, int64_t k_stride, int64_t n, const uint16_t* qb, int64_t D, float* s,
-                        int64_t mp, uint16_t* k_block, int64_t k_lo = 0, int64_t q_lo = 0) {
+/* tile_scores on one kind of operand (Split: float16 parts). */
+template <bool Split>
+static void tile_scores_as(const uint16_t* k, int64_t k_stride, int64_t n, const uint16_t* qb, int64_t D, float* s,
+                           int64_t mp, uint16_t* k_block, int64_t k_lo, int64_t q_lo) {
     const int64_t blocks = (n + 15) / 16, row_tiles = mp / 16, k_bytes = k_stride * 2;
     const int64_t tail = n % 16, row = D + k_lo; /* a key's elements: its hi part, and its lo part */
     if (tail) { /* the last block's missing rows: zeros, not whatever follows K */
@@ -211,6 +209,17 @@ static void tile_scores(const uint16_t* k, int64_t k_stride, int64_t n, const ui
     }
 }
 
+/* S^T[j][rows] for the tile's n keys (rounded up to 16; the padded keys' scores are never read).
+ * k_lo > 0: float16 inputs' parts, K's rows [hi (D) | lo (D)] (k_lo = D), Q's lo packing q_lo
+ * elements after its hi. */
+static void tile_scores(const uint16_t* k, int64_t k_stride, int64_t n, const uint16_t* qb, int64_t D, float* s,
+                        int64_t mp, uint16_t* k_block, int64_t k_lo = 0, int64_t q_lo = 0) {
+    if (k_lo)
+        tile_scores_as<true>(k, k_stride, n, qb, D, s, mp, k_block, k_lo, q_lo);
+    else
+        tile_scores_as<false>(k, k_stride, n, qb, D, s, mp, k_block, 0, 0);
+}
+
 /* One 2 x 2 (or smaller) block of O^T: column blocks cb (and cb + 1), row tiles rt (and rt + 1);
  * with Split, V^T's lo part v_lo elements after its hi, P's p_lo after its hi. */
 template <int CB, int RT, bool Split>
@@ -234,12 +243,10 @@ static inline void output_block(const uint16_t* vt, int64_t steps, int64_t cb, c
     if (CB > 1 && RT > 1) _tile_stored(3, first + 16 * mp + 16, o_bytes);
 }
 
-/* O^T[Dv][rows] += V^T P^T over the tile's first key_steps of 32 keys; vt packed with `steps` of them
- * (pack_values_transposed's layout: a packed tile may hold more keys than an item reads).  Split:
- * float16 inputs' parts, V^T's lo part v_lo elements after its hi, P's p_lo after its hi. */
-template <bool Split = false>
-static void tile_output(const uint16_t* vt, int64_t steps, const uint16_t* pb, int64_t N, int64_t key_steps,
-                        int64_t Dv, float* o, int64_t mp, int64_t v_lo = 0, int64_t p_lo = 0) {
+/* tile_output on one kind of operand (Split: float16 parts). */
+template <bool Split>
+static void tile_output_as(const uint16_t* vt, int64_t steps, const uint16_t* pb, int64_t N, int64_t key_steps,
+                           int64_t Dv, float* o, int64_t mp, int64_t v_lo, int64_t p_lo) {
     const int64_t column_blocks = Dv / 16, row_tiles = mp / 16;
     for (int64_t cb = 0; cb < column_blocks; cb += 2) {
         const bool pair = cb + 1 < column_blocks;
@@ -257,6 +264,17 @@ static void tile_output(const uint16_t* vt, int64_t steps, const uint16_t* pb, i
                 output_block<1, 1, Split>(vt, steps, cb, pb, N, rt, key_steps, o, mp, v_lo, p_lo);
         }
     }
+}
+
+/* O^T[Dv][rows] += V^T P^T over the tile's first key_steps of 32 keys; vt packed with `steps` of them
+ * (pack_values_transposed's layout: a packed tile may hold more keys than an item reads).  v_lo > 0:
+ * float16 inputs' parts, V^T's lo part v_lo elements after its hi, P's p_lo after its hi. */
+static void tile_output(const uint16_t* vt, int64_t steps, const uint16_t* pb, int64_t N, int64_t key_steps,
+                        int64_t Dv, float* o, int64_t mp, int64_t v_lo = 0, int64_t p_lo = 0) {
+    if (v_lo)
+        tile_output_as<true>(vt, steps, pb, N, key_steps, Dv, o, mp, v_lo, p_lo);
+    else
+        tile_output_as<false>(vt, steps, pb, N, key_steps, Dv, o, mp, 0, 0);
 }
 
 /* One 2 x 2 (or smaller) block of C[m][cols] += A[m][k] B[k][cols] over `steps` of 32 in k: row
@@ -437,34 +455,30 @@ static void forward_block_amx(const FwdParams& p, char* scratch, int64_t b, int6
      * the window are hidden by finish_scores' edge test). */
     if (p.packed_kv) lo = lo / N * N;
 
-    const bool split = p.dtype == DTYPE_FLOAT16; /* K and V split once per call: split_halves_item */
+    /* float16: K and V split into bfloat16 parts once per call (split_halves_item), their lo parts
+     * D (K's rows), N x Dv (V^T) and N x mp (P) elements after the hi ones; Q's mp x D after. */
+    const bool split = p.dtype == DTYPE_FLOAT16;
     const PackProbabilities packer{buffers.pb, N, interleave_halves_index(), split ? N * mp : 0};
     configure_tiles();
     for (int64_t kt = lo; kt < hi; kt += N) {
         const int64_t n = std::min(N, hi - kt);
         if (p.mask_kind != MASK_NONE && mask_hides_tile(p, b, kvh, q0, qn, kt, n)) continue;
-        if (split) {
-            tile_scores<true>(split_keys(p, b, kvh) + kt * 2 * D, 2 * D, n, buffers.qb, D, s, mp, buffers.k_block, D,
-                              mp * D);
-            scores_to_pairs(p, buffers, packer, b, kvh, q0, qn, mp, kt, n);
-            int64_t steps;
-            const uint16_t* vt = split_value_tile(p, b, kvh, kt / N, &steps);
-            tile_output<true>(vt, steps, buffers.pb, N, (n + 31) / 32, Dv, o, mp, N * Dv, N * mp);
-            continue;
-        }
-        const uint16_t* k = at<uint16_t>(p.k, b * p.k_stride[0] + kvh * p.k_stride[1] + kt * p.k_stride[2]);
-        const uint16_t* v = at<uint16_t>(p.v, b * p.v_stride[0] + kvh * p.v_stride[1] + kt * p.v_stride[2]);
-
-        tile_scores(k, p.k_stride[2], n, buffers.qb, D, s, mp, buffers.k_block);
-        scores_to_pairs(p, buffers, packer, b, kvh, q0, qn, mp, kt, n);
+        const uint16_t* k = split ? split_keys(p, b, kvh) + kt * 2 * D
+                                  : at<uint16_t>(p.k, b * p.k_stride[0] + kvh * p.k_stride[1] + kt * p.k_stride[2]);
         const uint16_t* vt = buffers.vt;
         int64_t steps = (n + 31) / 32;
-        if (p.packed_kv) { /* packed once for all query blocks: packed_value_tile */
+        if (split) {
+            vt = split_value_tile(p, b, kvh, kt / N, &steps);
+        } else if (p.packed_kv) { /* packed once for all query blocks: packed_value_tile */
             vt = packed_value_tile(p, b, kvh, kt / N, &steps);
         } else {
-            pack_values_transposed(v, p.v_stride[2], n, Dv, buffers.vt);
+            pack_values_transposed(at<uint16_t>(p.v, b * p.v_stride[0] + kvh * p.v_stride[1] + kt * p.v_stride[2]),
+                                   p.v_stride[2], n, Dv, buffers.vt);
         }
-        tile_output(vt, steps, buffers.pb, N, (n + 31) / 32, Dv, o, mp);
+        tile_scores(k, split ? 2 * D : p.k_stride[2], n, buffers.qb, D, s, mp, buffers.k_block, split ? D : 0,
+                    split ? mp * D : 0);
+        scores_to_pairs(p, buffers, packer, b, kvh, q0, qn, mp, kt, n);
+        tile_output(vt, steps, buffers.pb, N, (n + 31) / 32, Dv, o, mp, split ? N * Dv : 0, split ? N * mp : 0);
     }
     _tile_release();
     write_rows(p, b, kvh, q0, qn, rows, mp, o, buffers.row_max, buffers.row_sum, partial_out, partial_lse);

@@ -264,12 +264,13 @@ static void forward_head(const FwdParams& p, char* scratch, int64_t b, int64_t k
     Kernel::finish(p, h, b, partial_out, partial_lse);
 }
 
-/* One kv head's rows of an item, on the kernel the rule picks. */
+/* One kv head's rows of an item, on the kernel the rule picks (the pair kernels take bfloat16, and
+ * at the AMX level float16 forward items: forward_kernel_of says which). */
 template <typename T, typename In>
 static void run_head(const FwdParams& p, char* scratch, int64_t b, int64_t kvh, int64_t q0, int64_t qn,
                      int64_t k_begin, int64_t k_end, T* partial_out, T* partial_lse) {
 #if defined(FASTATTN_HAS_AVX512BF16)
-    if constexpr (std::is_same<In, bfloat16_bits>::value) {
+    if constexpr (std::is_same<In, bfloat16_bits>::value || std::is_same<In, half_bits>::value) {
         switch (forward_kernel_of(p, p.group * qn)) {
 #if defined(FASTATTN_HAS_AMX)
             case KERNEL_AMX:
@@ -285,11 +286,6 @@ static void run_head(const FwdParams& p, char* scratch, int64_t b, int64_t kvh, 
             default: break;
         }
     }
-#endif
-#if defined(FASTATTN_HAS_AMX)
-    if constexpr (std::is_same<In, half_bits>::value)
-        if (forward_kernel_of(p, p.group * qn) == KERNEL_AMX)
-            return forward_block_amx(p, scratch, b, kvh, q0, qn, k_begin, k_end, partial_out, partial_lse);
 #endif
     T* buffer = reinterpret_cast<T*>(scratch);
     switch (p.group * qn) {
