@@ -489,22 +489,24 @@ AMX_BACKWARD_CASES = {
 }
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("case", sorted(AMX_BACKWARD_CASES))
-def test_bfloat16_backward_on_the_dot_product_units_matches_reference(case: str) -> None:
-    """bfloat16 gradients of GQA heads over 300 keys on the AMX gradient pass (key blocks of
-    AMX_KEY_TILE, the last of 44 keys: partial 16- and 32-key steps) or the `vdpbf16ps` one (blocks of
-    KEY_TILE; with key_lengths a last block of 13 live keys, an odd pair) where the level has them,
-    else the float32 vector kernels:
-    within the conformance suite's bfloat16 tolerance of the float64 reference, and bit-identical
-    on one and two threads."""
+def test_half_precision_backward_on_the_dot_product_units_matches_reference(case: str, dtype: str) -> None:
+    """bfloat16 and float16 gradients of GQA heads over 300 keys on the AMX gradient pass (key blocks
+    of AMX_KEY_TILE, the last of 44 keys: partial 16- and 32-key steps; float16 as bfloat16 parts) or,
+    for bfloat16, the `vdpbf16ps` one (blocks of KEY_TILE; with key_lengths a last block of 13 live
+    keys, an odd pair) where the level has them, else the float32 vector kernels: within the
+    conformance suite's tolerance of the float64 reference, and bit-identical on one and two
+    threads.  float16's gradients keep float32's accuracy: within twice the error of the float32
+    kernels' gradients rounded to float16 (P and dS rounded to bfloat16 would be several times it)."""
     features = dict(AMX_BACKWARD_CASES[case])
     head_dim_v = features.pop("head_dim_v", 64)
     rng = np.random.default_rng()
-    bf16 = ml_dtypes.bfloat16
-    q = rng.standard_normal((2, 4, 77, 64)).astype(bf16)
-    k = rng.standard_normal((2, 2, 300, 64)).astype(bf16)
-    v = rng.standard_normal((2, 2, 300, head_dim_v)).astype(bf16)
-    dout = rng.standard_normal((2, 4, 77, head_dim_v)).astype(bf16)
+    half = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float16
+    q = rng.standard_normal((2, 4, 77, 64)).astype(half)
+    k = rng.standard_normal((2, 2, 300, 64)).astype(half)
+    v = rng.standard_normal((2, 2, 300, head_dim_v)).astype(half)
+    dout = rng.standard_normal((2, 4, 77, head_dim_v)).astype(half)
     call: dict = {key: value for key, value in features.items() if key in ("causal", "window", "softcap", "dropout_p")}
     if features.get("mask") == "bool":
         call["mask"] = rng.random((2, 1, 77, 300)) < 0.9
@@ -516,8 +518,8 @@ def test_bfloat16_backward_on_the_dot_product_units_matches_reference(case: str)
         call["dropout_seed"] = int(rng.integers(2**63))
     problem = fastattn.explain(q, k, v, **call).problem
     on_amx = isa.active() == "amx"
-    expected_kernel = {"avx512bf16": "dpbf16", "amx": "amx"}.get(isa.active(), "vector")
-    assert cpu_backend.backward_plan(problem, 2).kernel == expected_kernel
+    kernels = {"avx512bf16": "dpbf16", "amx": "amx"} if dtype == "bfloat16" else {"amx": "amx"}
+    assert cpu_backend.backward_plan(problem, 2).kernel == kernels.get(isa.active(), "vector")
     amx_tiles = (cpu_backend.AMX_TILE_ROWS, cpu_backend.AMX_KEY_TILE)
     assert (cpu_backend.backward_tile_sizes(problem) == amx_tiles) == on_amx
     out, lse = fastattn.attention(q, k, v, return_lse=True, backend="reference", **call)
@@ -527,15 +529,21 @@ def test_bfloat16_backward_on_the_dot_product_units_matches_reference(case: str)
         for threads in (1, 2):
             fastattn.set_num_threads(threads)
             grads[threads] = fastattn.attention_backward(dout, q, k, v, out, lse, backend="cpu", **call)
+        widened = [x.astype(np.float32) for x in (dout, q, k, v, out)]
+        grads32 = fastattn.attention_backward(*widened, lse, backend="cpu", **call)
     finally:
         fastattn.set_num_threads(before)
     wide = [x.astype(np.float64) for x in (dout, q, k, v)]
     out64, lse64 = fastattn.attention(*wide[1:], return_lse=True, backend="reference", **call)
     expected = fastattn.attention_backward(*wide, out64, lse64, backend="reference", **call)
-    for name, one, two, exact in zip("qkv", grads[1], grads[2], expected):
+    for name, one, two, exact, single in zip("qkv", grads[1], grads[2], expected, grads32):
         assert np.array_equal(one, two, equal_nan=True), f"d{name} differs between one and two threads"
-        error = relative_error(two.astype(np.float64), exact.astype(bf16).astype(np.float64))
-        assert error <= BACKWARD_TOLERANCE["bfloat16"], f"d{name}: {error:.3g}"
+        error = relative_error(two.astype(np.float64), exact.astype(half).astype(np.float64))
+        assert error <= BACKWARD_TOLERANCE[dtype], f"d{name}: {error:.3g}"
+        if dtype == "float16":
+            error = relative_error(two.astype(np.float64), exact)
+            error32 = relative_error(single.astype(np.float16).astype(np.float64), exact)
+            assert error <= 2 * error32, f"d{name}: float16 {error:.3g}, float32 rounded to float16 {error32:.3g}"
     if "key_lengths" in call:
         assert np.all(grads[2][1][1, :, 141:] == 0) and np.all(grads[2][2][1, :, 141:] == 0)
 

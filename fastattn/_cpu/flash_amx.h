@@ -279,10 +279,11 @@ static void tile_output(const uint16_t* vt, int64_t steps, const uint16_t* pb, i
 
 /* One 2 x 2 (or smaller) block of C[m][cols] += A[m][k] B[k][cols] over `steps` of 32 in k: row
  * blocks mb (and mb + 1) of 16, column blocks cb (and cb + 1) of 16; A bfloat16, its rows a_stride
- * elements apart; B in pairs of its rows ([k/2][cols][2], pack_row_pairs); C float32 [m][cols]. */
-template <int MB, int CB>
+ * elements apart; B in pairs of its rows ([k/2][cols][2], pack_row_pairs); C float32 [m][cols].
+ * With Split, A's lo part a_lo elements after its hi, B's b_lo after its hi. */
+template <int MB, int CB, bool Split>
 static inline void pairs_block(const uint16_t* a, int64_t a_stride, int64_t steps, const uint16_t* b_pairs,
-                               int64_t cols, int64_t mb, int64_t cb, float* c) {
+                               int64_t cols, int64_t mb, int64_t cb, float* c, int64_t a_lo, int64_t b_lo) {
     const int64_t c_bytes = cols * 4, a_bytes = a_stride * 2;
     float* first = c + mb * 16 * cols + cb * 16;
     _tile_loadd(0, first, c_bytes);
@@ -290,14 +291,10 @@ static inline void pairs_block(const uint16_t* a, int64_t a_stride, int64_t step
     if (MB > 1) _tile_loadd(2, first + 16 * cols, c_bytes);
     if (MB > 1 && CB > 1) _tile_loadd(3, first + 16 * cols + 16, c_bytes);
     for (int64_t step = 0; step < steps; ++step) {
-        _tile_loadd(4, a + mb * 16 * a_stride + step * 32, a_bytes);
-        if (MB > 1) _tile_loadd(5, a + (mb + 1) * 16 * a_stride + step * 32, a_bytes);
-        _tile_loadd(6, b_pairs + step * 16 * cols * 2 + cb * 32, c_bytes);
-        if (CB > 1) _tile_loadd(7, b_pairs + step * 16 * cols * 2 + (cb + 1) * 32, c_bytes);
-        _tile_dpbf16ps(0, 4, 6);
-        if (CB > 1) _tile_dpbf16ps(1, 4, 7);
-        if (MB > 1) _tile_dpbf16ps(2, 5, 6);
-        if (MB > 1 && CB > 1) _tile_dpbf16ps(3, 5, 7);
+        const uint16_t* a0 = a + mb * 16 * a_stride + step * 32;
+        const uint16_t* b0 = b_pairs + step * 16 * cols * 2 + cb * 32;
+        step_2x2<MB, CB, Split>(a0, MB > 1 ? a0 + 16 * a_stride : nullptr, a_bytes, a_lo, b0,
+                                CB > 1 ? b0 + 32 : nullptr, c_bytes, b_lo);
     }
     _tile_stored(0, first, c_bytes);
     if (CB > 1) _tile_stored(1, first + 16, c_bytes);
@@ -305,27 +302,38 @@ static inline void pairs_block(const uint16_t* a, int64_t a_stride, int64_t step
     if (MB > 1 && CB > 1) _tile_stored(3, first + 16 * cols + 16, c_bytes);
 }
 
-/* C[m][cols] += A[m][k] B[k][cols] for m (a multiple of 16) rows, k = 32 steps: the backward's dV
- * and dK, the decode's P V. */
-static void pairs_product(const uint16_t* a, int64_t a_stride, int64_t m, int64_t steps, const uint16_t* b_pairs,
-                          int64_t cols, float* c) {
+/* pairs_product on one kind of operand (Split: float16 parts). */
+template <bool Split>
+static void pairs_product_as(const uint16_t* a, int64_t a_stride, int64_t m, int64_t steps, const uint16_t* b_pairs,
+                             int64_t cols, float* c, int64_t a_lo, int64_t b_lo) {
     const int64_t row_blocks = m / 16, column_blocks = cols / 16;
     for (int64_t mb = 0; mb < row_blocks; mb += 2) {
         const bool row_pair = mb + 1 < row_blocks;
         int64_t cb = 0;
         for (; cb + 2 <= column_blocks; cb += 2) {
             if (row_pair)
-                pairs_block<2, 2>(a, a_stride, steps, b_pairs, cols, mb, cb, c);
+                pairs_block<2, 2, Split>(a, a_stride, steps, b_pairs, cols, mb, cb, c, a_lo, b_lo);
             else
-                pairs_block<1, 2>(a, a_stride, steps, b_pairs, cols, mb, cb, c);
+                pairs_block<1, 2, Split>(a, a_stride, steps, b_pairs, cols, mb, cb, c, a_lo, b_lo);
         }
         if (cb < column_blocks) {
             if (row_pair)
-                pairs_block<2, 1>(a, a_stride, steps, b_pairs, cols, mb, cb, c);
+                pairs_block<2, 1, Split>(a, a_stride, steps, b_pairs, cols, mb, cb, c, a_lo, b_lo);
             else
-                pairs_block<1, 1>(a, a_stride, steps, b_pairs, cols, mb, cb, c);
+                pairs_block<1, 1, Split>(a, a_stride, steps, b_pairs, cols, mb, cb, c, a_lo, b_lo);
         }
     }
+}
+
+/* C[m][cols] += A[m][k] B[k][cols] for m (a multiple of 16) rows, k = 32 steps: the backward's dV
+ * and dK, the decode's P V.  a_lo > 0: float16 inputs' parts, A's lo part a_lo elements after its
+ * hi, B's b_lo after its hi. */
+static void pairs_product(const uint16_t* a, int64_t a_stride, int64_t m, int64_t steps, const uint16_t* b_pairs,
+                          int64_t cols, float* c, int64_t a_lo = 0, int64_t b_lo = 0) {
+    if (a_lo)
+        pairs_product_as<true>(a, a_stride, m, steps, b_pairs, cols, c, a_lo, b_lo);
+    else
+        pairs_product_as<false>(a, a_stride, m, steps, b_pairs, cols, c, 0, 0);
 }
 
 /* ---- V packed once per call ----------------------------------------------------------------------
@@ -410,15 +418,7 @@ static void split_halves_item(const FwdParams& p, int64_t item) {
     const int64_t D = p.head_dim, Dv = p.head_dim_v, kt = tile * p.key_tile;
     const uint16_t* k = at<uint16_t>(p.k, b * p.k_stride[0] + kvh * p.k_stride[1] + kt * p.k_stride[2]);
     const uint16_t* v = at<uint16_t>(p.v, b * p.v_stride[0] + kvh * p.v_stride[1] + kt * p.v_stride[2]);
-    uint16_t* keys = split_keys(p, b, kvh) + kt * 2 * D;
-    for (int64_t j = 0; j < n; ++j)
-        for (int64_t d = 0; d < D; d += 16) {
-            __m256i hi, lo;
-            split_floats(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(k + j * p.k_stride[2] + d))),
-                         &hi, &lo);
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(keys + j * 2 * D + d), hi);
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(keys + j * 2 * D + D + d), lo);
-        }
+    split_rows(k, p.k_stride[2], n, D, split_keys(p, b, kvh) + kt * 2 * D);
     int64_t steps;
     uint16_t* vt = split_value_tile(p, b, kvh, tile, &steps);
     pack_values_transposed<HalfPart<true>>(v, p.v_stride[2], n, Dv, vt);

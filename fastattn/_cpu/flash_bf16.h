@@ -117,6 +117,18 @@ template <bool High> struct HalfPart {
     }
 };
 
+/* n float16 rows of `dims` values (x, x_stride elements apart) as rows [hi (dims) | lo (dims)] in out. */
+static void split_rows(const uint16_t* x, int64_t x_stride, int64_t n, int64_t dims, uint16_t* out) {
+    for (int64_t j = 0; j < n; ++j)
+        for (int64_t d = 0; d < dims; d += 16) {
+            __m256i hi, lo;
+            split_floats(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + j * x_stride + d))),
+                         &hi, &lo);
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + j * 2 * dims + d), hi);
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + j * 2 * dims + dims + d), lo);
+        }
+}
+
 /* ---- packing ------------------------------------------------------------------------------------ */
 
 /* Rows r[0..15] of 16 dwords become their transpose (three shuffle stages, 64 instructions). */
@@ -162,10 +174,10 @@ static void pack_column_pairs(RowOf row, int64_t mp, int64_t dims, uint16_t* out
     }
 }
 
-/* Out[mp/2][dims][2]: rows 0..mp-1 (row(r) as for pack_column_pairs) as B tiles whose K dimension
- * is the rows, in pairs: row i of the result interleaves rows 2i and 2i + 1; between() runs before
- * each (the decode spreads its prefetches there). */
-template <typename RowOf, typename Between>
+/* Out[mp/2][dims][2]: rows 0..mp-1 (row(r) as for pack_column_pairs, read by Rows) as B tiles whose
+ * K dimension is the rows, in pairs: row i of the result interleaves rows 2i and 2i + 1; between()
+ * runs before each (the decode spreads its prefetches there). */
+template <typename Rows = Bf16Rows, typename RowOf, typename Between>
 static void pack_row_pairs(RowOf row, int64_t mp, int64_t dims, uint16_t* out, Between&& between) {
     alignas(64) static const uint16_t low_index[32] = {0, 32, 1, 33, 2,  34, 3,  35, 4,  36, 5,  37, 6,  38, 7,  39,
                                                        8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
@@ -175,16 +187,17 @@ static void pack_row_pairs(RowOf row, int64_t mp, int64_t dims, uint16_t* out, B
         const uint16_t *even = row(2 * i), *odd = row(2 * i + 1);
         uint16_t* dst = out + i * dims * 2;
         for (int64_t c = 0; c < dims; c += 32) {
-            const __m512i a = even ? _mm512_loadu_si512(even + c) : _mm512_setzero_si512();
-            const __m512i b = odd ? _mm512_loadu_si512(odd + c) : _mm512_setzero_si512();
+            const __m512i a = even ? Rows::row32(even + c) : _mm512_setzero_si512();
+            const __m512i b = odd ? Rows::row32(odd + c) : _mm512_setzero_si512();
             _mm512_storeu_si512(dst + 2 * c, _mm512_permutex2var_epi16(a, low, b));
             _mm512_storeu_si512(dst + 2 * c + 32, _mm512_permutex2var_epi16(a, high, b));
         }
     }
 }
 
-template <typename RowOf> static void pack_row_pairs(RowOf row, int64_t mp, int64_t dims, uint16_t* out) {
-    pack_row_pairs(row, mp, dims, out, [] {});
+template <typename Rows = Bf16Rows, typename RowOf>
+static void pack_row_pairs(RowOf row, int64_t mp, int64_t dims, uint16_t* out) {
+    pack_row_pairs<Rows>(row, mp, dims, out, [] {});
 }
 
 /* Qb[rt][D/2][16][2]: the B tiles of S^T = K Q^T, row tile rt, 32 dims a step (16 pair-rows);

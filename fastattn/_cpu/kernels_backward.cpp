@@ -7,10 +7,14 @@
 namespace fastattn {
 inline namespace FASTATTN_ISA_NAMESPACE {
 
-/* Whether pass 2 runs on the bfloat16 pairs (flash_backward_bf16.h: AMX tiles or vdpbf16ps); pass 3
- * must then read its dQ^T tiles with that path's row padding. */
+/* Whether pass 2 runs on the bfloat16 pairs (flash_backward_bf16.h: AMX tiles or vdpbf16ps; float16
+ * as bfloat16 parts, on AMX tiles only: on vdpbf16ps vectors, at half the tiles' rate and a third of
+ * their products, the parts would cost what they save); pass 3 must then read its dQ^T tiles with
+ * that path's row padding. */
 static bool backward_on_pairs(const BwdParams* p) {
-#if defined(FASTATTN_HAS_AVX512BF16)
+#if defined(FASTATTN_HAS_AMX)
+    return (p->f.dtype == DTYPE_BFLOAT16 || p->f.dtype == DTYPE_FLOAT16) && pairs_backward_applies(p->f);
+#elif defined(FASTATTN_HAS_AVX512BF16)
     return p->f.dtype == DTYPE_BFLOAT16 && pairs_backward_applies(p->f);
 #else
     (void)p;
@@ -62,7 +66,10 @@ void backward_dq(const void* params, char* scratch, int64_t item) {
     const BwdParams& p = *static_cast<const BwdParams*>(params);
 #if defined(FASTATTN_HAS_AVX512BF16)
     if (backward_on_pairs(&p)) {
-        dq_item<float, bfloat16_bits>(p, scratch, item, kPairsRowAlign);
+        if (p.f.dtype == DTYPE_FLOAT16)
+            dq_item<float, half_bits>(p, scratch, item, kPairsRowAlign);
+        else
+            dq_item<float, bfloat16_bits>(p, scratch, item, kPairsRowAlign);
         return;
     }
 #endif
