@@ -386,17 +386,35 @@ def test_bfloat16_forward_on_the_dot_product_units_matches_oracle(options, threa
     check_forward("cpu", "cpu", case)
 
 
-@pytest.mark.parametrize("options", list(PAIRS_FORWARD_CASES.values()), ids=list(PAIRS_FORWARD_CASES))
+#: float16 forward cases: the bfloat16 ones (the last of 10 rows an item: on the float32 vectors at
+#: every level), and a kv head of one query block of 64 rows over 1100 keys (its items split their
+#: key tiles themselves on AMX: no pass before them).
+FLOAT16_FORWARD_CASES = {
+    **PAIRS_FORWARD_CASES,
+    "one-query-block-split-per-tile": {"seq_q": 16, "group": 4, "seq_k": 1100, "key_lengths": (1100, 390)},
+}
+
+#: float16 items of at most this many rows stay on the float32 vectors at the amx level
+#: (fastattn/_cpu/flash_amx.h: kHalfAmxMinRows).
+HALF_AMX_MIN_ROWS = 32
+
+
+@pytest.mark.parametrize("options", list(FLOAT16_FORWARD_CASES.values()), ids=list(FLOAT16_FORWARD_CASES))
 def test_float16_forward_keeps_float32_accuracy(options, threads) -> None:
-    """float16 forward items on the amx level run on AMX tiles as three products of bfloat16 parts
-    (fastattn/_cpu/flash_bf16.h: split_floats), float32 vectors elsewhere: either way within twice the
-    error of the float32 kernels' output rounded to float16 (a float16 -> bfloat16 rounding of the
-    inputs or of P would be ~8x that), and within the conformance tolerance of the oracle."""
+    """float16 forward items of more than HALF_AMX_MIN_ROWS rows on the amx level run on AMX tiles as
+    three products of bfloat16 parts (fastattn/_cpu/flash_bf16.h: split_floats; K and V split by a
+    pass before the items where a kv head has several query blocks, else per key tile by the item),
+    float32 vectors elsewhere: either way within twice the error of the float32 kernels' output
+    rounded to float16 (a float16 -> bfloat16 rounding of the inputs or of P would be ~8x that), and
+    within the conformance tolerance of the oracle."""
     case = _bfloat16_case(options, seq_k=601, dtype="float16")
     problem = _problem_of(case)
-    block_queries = cpu_backend.plan(problem, 2)[0]
-    kernel = _flash.forward_kernel(problem, block_queries, cpu_backend.tile_sizes(problem, 2)[1])
-    assert kernel == ("amx" if isa.active() == "amx" else "vector")
+    block_queries, key_tile = cpu_backend.plan(problem, 2)[0], cpu_backend.tile_sizes(problem, 2)[1]
+    on_amx = isa.active() == "amx" and case.group * min(block_queries, case.seq_q) > HALF_AMX_MIN_ROWS
+    assert _flash.forward_kernel(problem, block_queries, key_tile) == ("amx" if on_amx else "vector")
+    if on_amx:
+        several_blocks = case.seq_q > block_queries
+        assert cpu_backend.forward_plan(problem, 2).packs_kv == several_blocks
     fastattn.set_num_threads(2)
     check_forward("cpu", "cpu", case)
     inputs = make_inputs(case)

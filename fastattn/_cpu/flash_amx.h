@@ -32,13 +32,14 @@
  * partial block of 16 rows is copied into a zero-padded block rather than read past the array.
  *
  * float16: Q, K, V and P as hi + lo bfloat16 parts, each product three tdpbf16ps (hi.hi, hi.lo,
- * lo.hi: step_2x2), K and V split once per call by the pass before the items (split_halves_item), Q
- * per item, P as the softmax hands it over.  float32's accuracy (the output error equals the float32
+ * lo.hi: step_2x2), K and V split once per call by the pass before the items (split_halves_item)
+ * where a kv head has several query blocks, else per key tile by the item, Q per item, P as the
+ * softmax hands it over.  float32's accuracy (the output error equals the float32
  * kernels' rounded to float16) at three times the tile work: on the Xeon above float16 C1-C5 ran
  * 1.6-2.4x faster than float32 (the float32 vector kernels on float16 copies before).
  *
  * Taken when: bfloat16 or float16 inputs, D a multiple of 32, Dv of 16, key_tile of 32, more rows
- * than the decode path's, and no rerun that must skip zero weights (a product inside a tile cannot
+ * than the decode path's (float16: than kHalfAmxMinRows), and no rerun that must skip zero weights (a product inside a tile cannot
  * be skipped); otherwise forward_block runs on float32 conversions as before.  (float16 decodes stay
  * on the float32 vector kernels: the split would cost what it saves where K and V are read once.)
  */
@@ -71,9 +72,17 @@ static inline void configure_tiles() {
     _tile_loadconfig(&config);
 }
 
+/* float16 items of at most this many rows stay on the float32 vector kernels.  An item whose kv head
+ * has one query block (a few queries over a long cache) splits every key tile it reads (see "float16
+ * K and V as bfloat16 parts" below), and for few rows that costs more than the vector products it
+ * saves: B8 Hq32 Hkv8 Sk4096 D128 with 4 / 8 / 16 queries (16 / 32 / 64 rows) took 11.0 / 16.9 /
+ * 35.7 ms on the vector kernels and 15.4 / 17.7 / 23.2 on AMX with the split per tile (Xeon model
+ * 167, 2 threads). */
+constexpr int64_t kHalfAmxMinRows = 32;
+
 static bool amx_forward_applies(const FwdParams& p, int64_t rows) {
     return p.head_dim % 32 == 0 && p.head_dim_v % 16 == 0 && p.key_tile % 32 == 0 && !p.skip_zero_weights &&
-           rows > kDotMaxRows;
+           rows > (p.dtype == DTYPE_FLOAT16 ? kHalfAmxMinRows : kDotMaxRows);
 }
 
 /* Vt[cb][ks][16][32]: the A tiles of O^T += V^T P^T for the tile's n keys (rows v, v_stride
@@ -382,14 +391,19 @@ static void pack_value_item(const FwdParams& p, int64_t item) {
 /* ---- float16 K and V as bfloat16 parts, once per call ----------------------------------------------
  *
  * float16 items run the bfloat16 products three times over the inputs' parts (flash_bf16.h:
- * split_floats): a pass before the items (on every call, whatever the query blocks or key splits: the
- * items read nothing else) writes, for each (b, kv head), K's rows as [hi (D) | lo (D)] ([Sk][2 D]),
- * then, per key tile, V^T's hi part and its lo part, N x Dv elements each (pack_values_transposed's
- * layout).  Keys at or past the batch row's key_lengths are not written and never read.  The copies
- * take 4 B Hkv Sk (D + Dv) bytes, twice the inputs' K and V, as the float32 copies of the levels
- * below (converts_kv_once) do. */
+ * split_floats).  Where a kv head has several query blocks, a pass before the items writes, for
+ * each (b, kv head), K's rows as [hi (D) | lo (D)] ([Sk][2 D]), then, per key tile, V^T's hi part
+ * and its lo part, N x Dv elements each (pack_values_transposed's layout), and the items read them.
+ * Keys at or past the batch row's key_lengths are not written and never read.  The copies take
+ * 4 B Hkv Sk (D + Dv) bytes, twice the inputs' K and V, as the float32 copies of the levels below
+ * (converts_kv_once) do, and under the same cap.  Otherwise (one query block a kv head: a few
+ * queries over a long cache, whose K and V each item reads once; or copies past the cap) each item
+ * splits its key tiles itself, into its own buffers: a pass would write and read back twice the
+ * cache through memory (the C6 shape with 4 queries, B8 Hkv8 Sk4096 D128: 268 MB, 33 ms where the
+ * float32 kernels take 15 on the Xeon above). */
 static bool amx_splits_halves(const FwdParams& p) {
-    return p.dtype == DTYPE_FLOAT16 && amx_forward_applies(p, p.group * std::min(p.block_queries, p.seq_q));
+    return p.dtype == DTYPE_FLOAT16 && p.query_blocks > 1 && converted_kv_bytes(p) <= kConvertedKvMaxBytes &&
+           amx_forward_applies(p, p.group * std::min(p.block_queries, p.seq_q));
 }
 
 static size_t split_halves_bytes(const FwdParams& p) {
@@ -455,25 +469,32 @@ static void forward_block_amx(const FwdParams& p, char* scratch, int64_t b, int6
      * the window are hidden by finish_scores' edge test). */
     if (p.packed_kv) lo = lo / N * N;
 
-    /* float16: K and V split into bfloat16 parts once per call (split_halves_item), their lo parts
-     * D (K's rows), N x Dv (V^T) and N x mp (P) elements after the hi ones; Q's mp x D after. */
+    /* float16: K and V split into bfloat16 parts once per call (split_halves_item) or here per key
+     * tile, their lo parts D (K's rows), N x Dv (V^T) and N x mp (P) elements after the hi ones; Q's
+     * mp x D after. */
     const bool split = p.dtype == DTYPE_FLOAT16;
     const PackProbabilities packer{buffers.pb, N, interleave_halves_index(), split ? N * mp : 0};
     configure_tiles();
     for (int64_t kt = lo; kt < hi; kt += N) {
         const int64_t n = std::min(N, hi - kt);
         if (p.mask_kind != MASK_NONE && mask_hides_tile(p, b, kvh, q0, qn, kt, n)) continue;
-        const uint16_t* k = split ? split_keys(p, b, kvh) + kt * 2 * D
-                                  : at<uint16_t>(p.k, b * p.k_stride[0] + kvh * p.k_stride[1] + kt * p.k_stride[2]);
+        const uint16_t* k = at<uint16_t>(p.k, b * p.k_stride[0] + kvh * p.k_stride[1] + kt * p.k_stride[2]);
+        const uint16_t* v = at<uint16_t>(p.v, b * p.v_stride[0] + kvh * p.v_stride[1] + kt * p.v_stride[2]);
         const uint16_t* vt = buffers.vt;
         int64_t steps = (n + 31) / 32;
-        if (split) {
+        if (split && p.packed_kv) { /* split once for all query blocks: split_halves_item */
+            k = split_keys(p, b, kvh) + kt * 2 * D;
             vt = split_value_tile(p, b, kvh, kt / N, &steps);
+        } else if (split) { /* V's rows split once, then each part transposed */
+            split_rows(v, p.v_stride[2], n, Dv, buffers.kv_parts);
+            pack_values_transposed(buffers.kv_parts, 2 * Dv, n, Dv, buffers.vt);
+            pack_values_transposed(buffers.kv_parts + Dv, 2 * Dv, n, Dv, buffers.vt + N * Dv);
+            split_rows(k, p.k_stride[2], n, D, buffers.kv_parts);
+            k = buffers.kv_parts;
         } else if (p.packed_kv) { /* packed once for all query blocks: packed_value_tile */
             vt = packed_value_tile(p, b, kvh, kt / N, &steps);
         } else {
-            pack_values_transposed(at<uint16_t>(p.v, b * p.v_stride[0] + kvh * p.v_stride[1] + kt * p.v_stride[2]),
-                                   p.v_stride[2], n, Dv, buffers.vt);
+            pack_values_transposed(v, p.v_stride[2], n, Dv, buffers.vt);
         }
         tile_scores(k, split ? 2 * D : p.k_stride[2], n, buffers.qb, D, s, mp, buffers.k_block, split ? D : 0,
                     split ? mp * D : 0);

@@ -46,10 +46,11 @@ static inline int64_t align64(int64_t bytes) { return (bytes + 63) / 64 * 64; }
 
 /* The item's buffers, carved from the thread's scratch (64-byte aligned).  float16 inputs on AMX
  * (flash_amx.h) hold two parts of each packed operand (split_floats): qb, pb, vt and k_block twice
- * the size. */
+ * the size, and a key tile's V rows, then its K rows, split in kv_parts where no pass before the
+ * items split them. */
 struct PairBuffers {
     float *s, *o, *row_max, *row_sum, *position;
-    uint16_t *qb, *pb, *vt, *k_block;
+    uint16_t *qb, *pb, *vt, *k_block, *kv_parts;
 
     static int64_t bytes(const FwdParams& p) { return PairBuffers().carve(p, nullptr); }
 
@@ -58,11 +59,13 @@ struct PairBuffers {
         const int64_t D = p.head_dim, Dv = p.head_dim_v, parts = p.dtype == DTYPE_FLOAT16 ? 2 : 1;
         const int64_t sizes[] = {4 * N * mp,         4 * Dv * mp,        4 * mp,
                                  4 * mp,             4 * mp,             2 * parts * mp * D,
-                                 2 * parts * N * mp, 2 * parts * Dv * N, 2 * parts * 16 * D};
-        void** slots[] = {(void**)&s,   (void**)&o,  (void**)&row_max, (void**)&row_sum, (void**)&position,
-                          (void**)&qb,  (void**)&pb, (void**)&vt,      (void**)&k_block};
+                                 2 * parts * N * mp, 2 * parts * Dv * N, 2 * parts * 16 * D,
+                                 parts > 1 ? 2 * N * 2 * std::max(D, Dv) : 0};
+        void** slots[] = {(void**)&s,  (void**)&o,  (void**)&row_max, (void**)&row_sum, (void**)&position,
+                          (void**)&qb, (void**)&pb, (void**)&vt,      (void**)&k_block, (void**)&kv_parts};
+        static_assert(sizeof(sizes) / sizeof(sizes[0]) == sizeof(slots) / sizeof(slots[0]), "one size a slot");
         int64_t offset = 0;
-        for (int i = 0; i < 9; ++i) {
+        for (size_t i = 0; i < sizeof(sizes) / sizeof(sizes[0]); ++i) {
             if (base) *slots[i] = base + offset;
             offset += align64(sizes[i]);
         }
