@@ -34,14 +34,15 @@
  * float16: Q, K, V and P as hi + lo bfloat16 parts, each product three tdpbf16ps (hi.hi, hi.lo,
  * lo.hi: step_2x2), K and V split once per call by the pass before the items (split_halves_item)
  * where a kv head has several query blocks, else per key tile by the item, Q per item, P as the
- * softmax hands it over.  float32's accuracy (the output error equals the float32
- * kernels' rounded to float16) at three times the tile work: on the Xeon above float16 C1-C5 ran
- * 1.6-2.4x faster than float32 (the float32 vector kernels on float16 copies before).
+ * softmax hands it over.  float32's accuracy (the output error equals the float32 kernels' rounded
+ * to float16) at three times the tile work: on the Xeon above float16 C1-C5 ran 1.6-2.4x faster
+ * than float32 (the float32 vector kernels on float16 copies before).
  *
  * Taken when: bfloat16 or float16 inputs, D a multiple of 32, Dv of 16, key_tile of 32, more rows
- * than the decode path's (float16: than kHalfAmxMinRows), and no rerun that must skip zero weights (a product inside a tile cannot
- * be skipped); otherwise forward_block runs on float32 conversions as before.  (float16 decodes stay
- * on the float32 vector kernels: the split would cost what it saves where K and V are read once.)
+ * than the decode path's (float16: more than kHalfAmxMinRows), and no rerun that must skip zero
+ * weights (a product inside a tile cannot be skipped); otherwise forward_block runs on float32
+ * conversions as before.  (float16 decodes and items of few rows stay on the float32 vector
+ * kernels: the split would cost what it saves where K and V are read once per few rows.)
  */
 #ifndef FASTATTN_FLASH_AMX_H
 #define FASTATTN_FLASH_AMX_H

@@ -29,8 +29,8 @@
  * tdpbf16ps (hi.hi, hi.lo, lo.hi: flash_amx.h's step_2x2), so the gradients keep float32's accuracy
  * (their error equals the float32 kernels' gradients rounded to float16) at three times the tile
  * work.  Q and dO split as they are packed (HalfPart: exact for float16 values), K and V rows per
- * key block into [hi | lo] rows (split_rows: S^T and dP^T read them so), K^T for dQ by
- * pack_values_transposed's HalfPart loads, and P and dS as gradients_to_bfloat16 rounds them (hi the
+ * key block into [hi | lo] rows (split_rows: S^T and dP^T read them so, and K^T for dQ is
+ * transposed from them), and P and dS as gradients_to_bfloat16 rounds them (hi the
  * truncation, lo the rest rounded: 17 bits, finer than the GPU kernels' float16 P and dS).  On the
  * Xeon of flash_amx.h, C1-C5 backward ran 1.5-1.9x faster than on the float32 vectors before.
  *
@@ -72,16 +72,12 @@ static inline void rows_product(const uint16_t* a, int64_t a_stride, int64_t m, 
     pairs_product(a, a_stride, m, steps, b_pairs, cols, c, a_lo, b_lo);
 }
 
-/* The key block's `live` K rows as dq_product reads them: float16 K's hi part, then its lo part
- * k_lo elements on. */
-static inline void pack_keys_for_dq(const uint16_t* k, int64_t k_stride, int64_t live, int64_t D, uint16_t* out,
-                                    int64_t k_lo) {
-    if (k_lo) {
-        pack_values_transposed<HalfPart<true>>(k, k_stride, live, D, out);
-        pack_values_transposed<HalfPart<false>>(k, k_stride, live, D, out + k_lo);
-    } else {
-        pack_values_transposed(k, k_stride, live, D, out);
-    }
+/* The key block's `live` K rows (float16: split rows, each row's lo part k_lo elements after its hi)
+ * as dq_product reads them: K^T, its lo part out_lo elements after its hi. */
+static inline void pack_keys_for_dq(const uint16_t* k, int64_t k_stride, int64_t k_lo, int64_t live, int64_t D,
+                                    uint16_t* out, int64_t out_lo) {
+    pack_values_transposed(k, k_stride, live, D, out);
+    if (k_lo) pack_values_transposed(k + k_lo, k_stride, live, D, out + out_lo);
 }
 
 /* dQ^T[D][mp] += K^T dS^T over the block's live keys, dS in pairs of keys (row tiles N * 16 apart). */
@@ -111,8 +107,8 @@ static inline void rows_product(const uint16_t* a, int64_t a_stride, int64_t m, 
 }
 
 /* K in row pairs [live/2][D][2] (a key past `live` zero): pair (K[2i][d], K[2i+1][d]) is broadcast. */
-static inline void pack_keys_for_dq(const uint16_t* k, int64_t k_stride, int64_t live, int64_t D, uint16_t* out,
-                                    int64_t) {
+static inline void pack_keys_for_dq(const uint16_t* k, int64_t k_stride, int64_t, int64_t live, int64_t D,
+                                    uint16_t* out, int64_t) {
     auto key_row = [&](int64_t j) -> const uint16_t* { return j < live ? k + j * k_stride : nullptr; };
     pack_row_pairs(key_row, round_up(live, 2), D, out);
 }
@@ -350,8 +346,9 @@ static void gradient_block_pairs(const BwdParams& bp, char* scratch, int64_t b, 
             seeing_queries(p, k0, live, &i_lo, &i_hi);
             const uint16_t* k = at<uint16_t>(p.k, b * p.k_stride[0] + kvh * p.k_stride[1] + k0 * p.k_stride[2]);
             const uint16_t* v = at<uint16_t>(p.v, b * p.v_stride[0] + kvh * p.v_stride[1] + k0 * p.v_stride[2]);
-            pack_keys_for_dq(k, p.k_stride[2], live, D, t.k_transposed, t.k_transposed_lo);
-            /* S^T's and dP^T's A operands: K and V rows in place, or float16's rows split per block. */
+            /* S^T's and dP^T's A operands (and K^T's source): K and V rows in place, or float16's rows
+             * split per block, a row's lo part k_lo (v_lo) elements after its hi. */
+            const int64_t k_lo = split ? D : 0, v_lo = split ? Dv : 0;
             const uint16_t *k_rows = k, *v_rows = v;
             int64_t k_rows_stride = p.k_stride[2], v_rows_stride = p.v_stride[2];
             if (split) {
@@ -362,6 +359,7 @@ static void gradient_block_pairs(const BwdParams& bp, char* scratch, int64_t b, 
                 k_rows_stride = 2 * D;
                 v_rows_stride = 2 * Dv;
             }
+            pack_keys_for_dq(k_rows, k_rows_stride, k_lo, live, D, t.k_transposed, t.k_transposed_lo);
             const int64_t keys16 = round_up(live, 16);
             /* Whole query blocks (pass 3's), so rows of a block outside [i_lo, i_hi) get P = dS = 0. */
             for (int64_t qb = std::max<int64_t>(i_lo, 0) / BQ; qb * BQ < i_hi; ++qb) {
@@ -372,7 +370,6 @@ static void gradient_block_pairs(const BwdParams& bp, char* scratch, int64_t b, 
                 const int64_t calls = std::max<int64_t>(1, 2 * ((mp + 31) / 32) * (live / kPairsMR));
                 const int64_t mask_lines_per_call = (mask_lines.total_lines() + calls - 1) / calls;
                 auto issue = [&] { mask_lines.issue(mask_lines_per_call); };
-                const int64_t k_lo = split ? D : 0, v_lo = split ? Dv : 0;
                 if (mask_lines.total_lines() > 0) { /* else no hook: the products keep their registers */
                     scores_product(k_rows, k_rows_stride, live, t.q_columns, D, t.s, mp, t.pad, issue, k_lo, t.q_lo);
                     scores_product(v_rows, v_rows_stride, live, t.do_columns, Dv, t.dp, mp, t.pad, issue, v_lo,
