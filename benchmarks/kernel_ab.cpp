@@ -24,8 +24,10 @@
 #include <vector>
 
 #include <omp.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
-#include "forward_items.h"
+#include "flash_amx.h" /* with flash_bf16.h and forward_items.h: every level's kernels */
 
 using namespace fastattn;
 using namespace fastattn::FASTATTN_ISA_NAMESPACE;
@@ -170,6 +172,14 @@ int usage() {
 }  // namespace
 
 int main(int argc, char** argv) {
+#if defined(FASTATTN_HAS_AMX)
+    /* Linux lends the tile registers to a process that asks (dispatch.h's os_grants_amx). */
+    const long arch_req_xcomp_perm = 0x1023, xfeature_xtiledata = 18;
+    if (syscall(SYS_arch_prctl, arch_req_xcomp_perm, xfeature_xtiledata) != 0) {
+        std::fprintf(stderr, "the kernel did not grant the AMX tile registers\n");
+        return 1;
+    }
+#endif
     if (argc == 5 && std::string(argv[1]) == "decode") {
         const std::string dtype = argv[2], place = argv[3];
         const int repeats = std::atoi(argv[4]);

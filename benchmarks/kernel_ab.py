@@ -38,6 +38,30 @@ LEVEL_FLAGS = {
         "-mavx512dq",
         "-mavx512vl",
     ],
+    "avx512bf16": [
+        "-march=x86-64",
+        "-mtune=generic",
+        "-mavx2",
+        "-mfma",
+        "-mavx512f",
+        "-mavx512bw",
+        "-mavx512dq",
+        "-mavx512vl",
+        "-mavx512bf16",
+    ],
+    "amx": [
+        "-march=x86-64",
+        "-mtune=generic",
+        "-mavx2",
+        "-mfma",
+        "-mavx512f",
+        "-mavx512bw",
+        "-mavx512dq",
+        "-mavx512vl",
+        "-mavx512bf16",
+        "-mamx-tile",
+        "-mamx-bf16",
+    ],
 }
 
 

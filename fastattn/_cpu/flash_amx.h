@@ -151,15 +151,18 @@ static inline void step_2x2(const uint16_t* a0, const uint16_t* a1, int64_t a_by
 }
 
 /* One 2 x 2 (or smaller) block of S^T: key blocks k0 (and k0 + 16), row tiles rt (and rt + 1);
- * with Split, K's lo part k_lo elements after each row's hi part, Q's q_lo after its hi packing. */
-template <int KB, int RT, bool Split>
+ * with Split, K's lo part k_lo elements after each row's hi part, Q's q_lo after its hi packing.
+ * between() before each step of 32 dims. */
+template <int KB, int RT, bool Split, typename Between>
 static inline void scores_block(const uint16_t* k_rows0, const uint16_t* k_rows1, int64_t k_bytes, const uint16_t* qb,
-                                int64_t D, int64_t rt, float* s, int64_t mp, int64_t k_lo, int64_t q_lo) {
+                                int64_t D, int64_t rt, float* s, int64_t mp, int64_t k_lo, int64_t q_lo,
+                                Between&& between) {
     _tile_zero(0);
     if (RT > 1) _tile_zero(1);
     if (KB > 1) _tile_zero(2);
     if (KB > 1 && RT > 1) _tile_zero(3);
     for (int64_t step = 0; step < D / 32; ++step) {
+        between();
         const uint16_t* q0 = qb + (rt * (D / 2) + step * 16) * 32;
         step_2x2<KB, RT, Split>(k_rows0 + step * 32, KB > 1 ? k_rows1 + step * 32 : nullptr, k_bytes, k_lo, q0,
                                 RT > 1 ? q0 + (D / 2) * 32 : nullptr, 64, q_lo);
@@ -172,10 +175,11 @@ static inline void scores_block(const uint16_t* k_rows0, const uint16_t* k_rows1
     if (KB > 1 && RT > 1) _tile_stored(3, first + 16 * mp + 16, s_bytes);
 }
 
-/* tile_scores on one kind of operand (Split: float16 parts). */
-template <bool Split>
+/* tile_scores on one kind of operand (Split: float16 parts); between() before each step of each
+ * block's product. */
+template <bool Split, typename Between>
 static void tile_scores_as(const uint16_t* k, int64_t k_stride, int64_t n, const uint16_t* qb, int64_t D, float* s,
-                           int64_t mp, uint16_t* k_block, int64_t k_lo, int64_t q_lo) {
+                           int64_t mp, uint16_t* k_block, int64_t k_lo, int64_t q_lo, Between&& between) {
     const int64_t blocks = (n + 15) / 16, row_tiles = mp / 16, k_bytes = k_stride * 2;
     const int64_t tail = n % 16, row = D + k_lo; /* a key's elements: its hi part, and its lo part */
     if (tail) { /* the last block's missing rows: zeros, not whatever follows K */
@@ -198,23 +202,23 @@ static void tile_scores_as(const uint16_t* k, int64_t k_stride, int64_t n, const
         float* block_s = s + kb * 16 * mp;
         if (pair && bytes0 != bytes1) { /* the padded block has its own stride: one block at a time */
             for (int64_t rt = 0; rt < row_tiles; ++rt) {
-                scores_block<1, 1, Split>(rows0, nullptr, bytes0, qb, D, rt, block_s, mp, k_lo, q_lo);
-                scores_block<1, 1, Split>(rows1, nullptr, bytes1, qb, D, rt, block_s + 16 * mp, mp, k_lo, q_lo);
+                scores_block<1, 1, Split>(rows0, nullptr, bytes0, qb, D, rt, block_s, mp, k_lo, q_lo, between);
+                scores_block<1, 1, Split>(rows1, nullptr, bytes1, qb, D, rt, block_s + 16 * mp, mp, k_lo, q_lo, between);
             }
             continue;
         }
         int64_t rt = 0;
         for (; rt + 2 <= row_tiles; rt += 2) {
             if (pair)
-                scores_block<2, 2, Split>(rows0, rows1, bytes0, qb, D, rt, block_s, mp, k_lo, q_lo);
+                scores_block<2, 2, Split>(rows0, rows1, bytes0, qb, D, rt, block_s, mp, k_lo, q_lo, between);
             else
-                scores_block<1, 2, Split>(rows0, nullptr, bytes0, qb, D, rt, block_s, mp, k_lo, q_lo);
+                scores_block<1, 2, Split>(rows0, nullptr, bytes0, qb, D, rt, block_s, mp, k_lo, q_lo, between);
         }
         if (rt < row_tiles) {
             if (pair)
-                scores_block<2, 1, Split>(rows0, rows1, bytes0, qb, D, rt, block_s, mp, k_lo, q_lo);
+                scores_block<2, 1, Split>(rows0, rows1, bytes0, qb, D, rt, block_s, mp, k_lo, q_lo, between);
             else
-                scores_block<1, 1, Split>(rows0, nullptr, bytes0, qb, D, rt, block_s, mp, k_lo, q_lo);
+                scores_block<1, 1, Split>(rows0, nullptr, bytes0, qb, D, rt, block_s, mp, k_lo, q_lo, between);
         }
     }
 }
@@ -225,9 +229,9 @@ static void tile_scores_as(const uint16_t* k, int64_t k_stride, int64_t n, const
 static void tile_scores(const uint16_t* k, int64_t k_stride, int64_t n, const uint16_t* qb, int64_t D, float* s,
                         int64_t mp, uint16_t* k_block, int64_t k_lo = 0, int64_t q_lo = 0) {
     if (k_lo)
-        tile_scores_as<true>(k, k_stride, n, qb, D, s, mp, k_block, k_lo, q_lo);
+        tile_scores_as<true>(k, k_stride, n, qb, D, s, mp, k_block, k_lo, q_lo, [] {});
     else
-        tile_scores_as<false>(k, k_stride, n, qb, D, s, mp, k_block, 0, 0);
+        tile_scores_as<false>(k, k_stride, n, qb, D, s, mp, k_block, 0, 0, [] {});
 }
 
 /* One 2 x 2 (or smaller) block of O^T: column blocks cb (and cb + 1), row tiles rt (and rt + 1);
@@ -508,16 +512,32 @@ static void forward_block_amx(const FwdParams& p, char* scratch, int64_t b, int6
 
 /* ---- decode: a few rows ------------------------------------------------------------------------------
  *
- * With rows <= kDotMaxRows (decode) the vector path, DotKernel, runs R x D FMAs per key for
- * the scores and R x Dv for P V, and converts every K and V element to float32 first: for bfloat16
- * it is bound by the FMA ports (24 GB/s of K/V from cache on the Xeon above, below its memory's
- * 33).  Here its layout and softmax stay (each row's scores along the keys, softmax_rows, O rows
- * [r][Dv]) and the two products move to tiles that compute 16 rows, of which R are real:
- *   S^T[keys][16] = K Q^T  tile_scores (K read in place, Q in pairs of dims, rows past R zero), then
- *                          16 x 16 register transposes into the rows, scaled (Q is not);
- *   O[16][Dv] += P V       A = P rounded to bfloat16 [16][keys] (rows past R zero), B = V in pairs of
- *                          keys (pack_row_pairs: an interleave of two rows, no transpose), C the O
- *                          rows, loaded and stored once per key tile (pairs_product).
+ * With rows <= kDotMaxRows (decode) K and V are read once for R rows, so the kernel must keep up
+ * with memory, and the tiles compute 16 rows where R are real.  The layout and softmax are the
+ * vector decode's (each row's scores along the keys, softmax_rows_rescaled); the products:
+ *   S^T[keys][16] = K Q^T  tile_scores: A = 16 keys x 32 dims read in place from K, B = Q^T in
+ *                          pairs of dims (rows past R zero); the R live columns go to the rows by
+ *                          4 x 4 transposes (score_rows_from_columns), scaled (Q is not);
+ *   O += P V               A = P "in parity pairs", 16 keys a tile: row r < R holds (P[r][j], 0),
+ *                          row R + r holds (0, P[r][j]), so with B = V's 16 rows as they lie (each
+ *                          row 16 pairs of adjacent columns) row r gathers O[r]'s even columns and
+ *                          row R + r its odd ones: V is read in place, never interleaved or
+ *                          transposed.  The tdpbf16ps count equals the interleaved layout's (16 x
+ *                          32 columns a tile either way), and the idle rows of A carry the parity.
+ * The price of the zero half of each pair: it multiplies the neighbouring column's V, so a NaN or
+ * infinity in V reaches its neighbour column too.  Either way the row's output is non-finite, so
+ * the rerun that skips zero weights (forward_tiles.h, note_stored) recomputes it, on the vector
+ * decode (this kernel declines that rerun).
+ * Tiles, all 16 rows x 64 bytes as configure_tiles sets them: for O += P V, C tiles 0-3 hold four
+ * 32-column chunks of O over a key tile (loaded and stored once per tile: the online softmax's
+ * rescales run on the buffer between tiles), A tile 4 a key block's P, B tiles 5-7 V's chunks.
+ * The O buffer holds chunk c's tile at o + 256 c: row r's even columns at row r, odd at row R + r.
+ * Before, P V ran on V interleaved in pairs of keys through memory (pack_row_pairs: a load, two
+ * permutes and two stores per 64 bytes of V, then a tile load of the result), S^T went to the rows
+ * by whole 16 x 16 transposes, and the prefetches came in bursts of ~64 lines per 16 keys.  2-core
+ * Xeon model 167, kernel_ab.py decode bfloat16, paired medians: in L2 (one thread) 30.6 -> 20.7 ns a
+ * key, streamed (C6, 2 threads) 30.2 -> 23.5; bench_cpu.py C6 3.72 ms, 0.68 of the prefetched read
+ * (0.46 before, benchmarks/README).
  * Taken when: bfloat16, D and Dv multiples of 32, key_tile of 32, no rerun that skips zero weights.
  */
 static bool amx_decode_applies(const FwdParams& p, int64_t rows) {
@@ -525,57 +545,171 @@ static bool amx_decode_applies(const FwdParams& p, int64_t rows) {
            !p.skip_zero_weights;
 }
 
+/* Rows r < rows of s (N apart) take the first `rows` columns of one 16 x 16 block of S^T (16 keys,
+ * rows of 16 floats), times scale: per 4 columns, four 4 x 4 transposes side by side (one per 128-bit
+ * lane of 4 keys), where a whole 16 x 16 transpose would shuffle 16 columns to keep 4. */
+static inline void score_rows_from_columns(const float* scores_t, int rows, float* s, int64_t N, __m512 scale) {
+    for (int c = 0; c < rows; c += 4) {
+        __m512 z[4]; /* z[q], lane l: S^T[4 l + q][c .. c + 3] */
+        for (int q = 0; q < 4; ++q) {
+            z[q] = _mm512_castps128_ps512(_mm_loadu_ps(scores_t + q * 16 + c));
+            z[q] = _mm512_insertf32x4(z[q], _mm_loadu_ps(scores_t + (4 + q) * 16 + c), 1);
+            z[q] = _mm512_insertf32x4(z[q], _mm_loadu_ps(scores_t + (8 + q) * 16 + c), 2);
+            z[q] = _mm512_insertf32x4(z[q], _mm_loadu_ps(scores_t + (12 + q) * 16 + c), 3);
+        }
+        const __m512 t0 = _mm512_unpacklo_ps(z[0], z[1]), t1 = _mm512_unpackhi_ps(z[0], z[1]);
+        const __m512 t2 = _mm512_unpacklo_ps(z[2], z[3]), t3 = _mm512_unpackhi_ps(z[2], z[3]);
+        const __m512 column[4] = {
+            _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t0), _mm512_castps_pd(t2))),
+            _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t0), _mm512_castps_pd(t2))),
+            _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t1), _mm512_castps_pd(t3))),
+            _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t1), _mm512_castps_pd(t3)))};
+        for (int i = 0; i < 4 && c + i < rows; ++i) _mm512_storeu_ps(s + (c + i) * N, _mm512_mul_ps(column[i], scale));
+    }
+}
+
+/* The A tiles of O += P V in parity pairs (see above) for the tile's n keys, 16 keys a tile at
+ * pa + 512 kb: P rounded to bfloat16 as the GPU kernels do, keys from n on zero; rows from 2 rows on
+ * are left as they are (zero, from the item's start). */
+static inline void pack_parity_probabilities(const float* s, int64_t N, int rows, int64_t n, uint16_t* pa) {
+    for (int64_t j = 0; j < n; j += 16) {
+        const __mmask16 live = j + 16 <= n ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1);
+        uint16_t* tile = pa + j * 32;
+        for (int r = 0; r < rows; ++r) {
+            const __m512 weights = _mm512_maskz_loadu_ps(live, s + r * N + j);
+            const __m512i even = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(weights));
+            _mm512_storeu_si512(tile + r * 32, even);
+            _mm512_storeu_si512(tile + (rows + r) * 32, _mm512_slli_epi32(even, 16));
+        }
+    }
+}
+
+/* O's chunks c0 .. c0 + C - 1 (C <= 4, tiles at o + 256 c) += P V over the tile's key blocks: A tile
+ * 4 = pa's block kb, B tiles = V's rows of the block from v + 32 c (row_bytes apart; the last
+ * block's at v_block where it is partial, tail_bytes apart).  between() after each product. */
+template <int C, typename Between>
+static inline void parity_chunks(const uint16_t* pa, int64_t blocks, const uint16_t* v, int64_t row_bytes,
+                                 const uint16_t* v_block, int64_t tail_bytes, float* o, Between&& between) {
+    _tile_loadd(0, o, 64);
+    if (C > 1) _tile_loadd(1, o + 256, 64);
+    if (C > 2) _tile_loadd(2, o + 512, 64);
+    if (C > 3) _tile_loadd(3, o + 768, 64);
+    for (int64_t kb = 0; kb < blocks; ++kb) {
+        const bool padded = v_block != nullptr && kb == blocks - 1;
+        const uint16_t* rows = padded ? v_block : v + kb * 16 * (row_bytes / 2);
+        const int64_t bytes = padded ? tail_bytes : row_bytes;
+        _tile_loadd(4, pa + kb * 512, 64);
+        _tile_loadd(5, rows, bytes);
+        _tile_dpbf16ps(0, 4, 5);
+        between();
+        if (C > 1) {
+            _tile_loadd(6, rows + 32, bytes);
+            _tile_dpbf16ps(1, 4, 6);
+            between();
+        }
+        if (C > 2) {
+            _tile_loadd(7, rows + 64, bytes);
+            _tile_dpbf16ps(2, 4, 7);
+            between();
+        }
+        if (C > 3) {
+            _tile_loadd(5, rows + 96, bytes);
+            _tile_dpbf16ps(3, 4, 5);
+            between();
+        }
+    }
+    _tile_stored(0, o, 64);
+    if (C > 1) _tile_stored(1, o + 256, 64);
+    if (C > 2) _tile_stored(2, o + 512, 64);
+    if (C > 3) _tile_stored(3, o + 768, 64);
+}
+
+/* O += P V for the tile's n keys (V's rows v_stride elements apart), four chunks of 32 columns at a
+ * time; a partial last block of keys is copied into v_block with zero rows after it (zero P times
+ * zero V: what follows V in memory is never read). */
+template <typename Between>
+static void parity_output(const uint16_t* pa, const uint16_t* v, int64_t v_stride, int64_t n, int64_t Dv, float* o,
+                          uint16_t* v_block, Between&& between) {
+    const int64_t blocks = (n + 15) / 16, tail = n % 16, chunks = Dv / 32;
+    if (tail) {
+        std::memset(v_block, 0, sizeof(uint16_t) * 16 * Dv);
+        for (int64_t j = 0; j < tail; ++j) std::memcpy(v_block + j * Dv, v + (n - tail + j) * v_stride, 2 * Dv);
+    }
+    for (int64_t c = 0; c < chunks; c += 4) {
+        const uint16_t* padded = tail ? v_block + c * 32 : nullptr;
+        const uint16_t* first = v + c * 32;
+        float* chunk = o + c * 256;
+        switch (std::min<int64_t>(4, chunks - c)) {
+            case 1: parity_chunks<1>(pa, blocks, first, v_stride * 2, padded, Dv * 2, chunk, between); break;
+            case 2: parity_chunks<2>(pa, blocks, first, v_stride * 2, padded, Dv * 2, chunk, between); break;
+            case 3: parity_chunks<3>(pa, blocks, first, v_stride * 2, padded, Dv * 2, chunk, between); break;
+            default: parity_chunks<4>(pa, blocks, first, v_stride * 2, padded, Dv * 2, chunk, between); break;
+        }
+    }
+}
+
 static void forward_decode_amx(const FwdParams& p, char* scratch, int64_t b, int64_t kvh, int64_t q0, int64_t qn,
                                int64_t k_begin, int64_t k_end, float* partial_out, float* partial_lse) {
-    const int64_t D = p.head_dim, Dv = p.head_dim_v, N = p.key_tile;
+    const int64_t D = p.head_dim, Dv = p.head_dim_v, N = p.key_tile, chunks = Dv / 32;
     const int rows = (int)(p.group * qn);
     PairBuffers buffers;
     buffers.carve(p, scratch);
-    float* scores_t = buffers.s;       /* [N][16]: S^T as the tiles leave it */
-    float* s = scores_t + N * 16;      /* [rows][N] */
-    float* o = buffers.o;              /* [16][Dv] */
-    uint16_t* probabilities = buffers.pb; /* [16][N] */
-    uint16_t* value_pairs = buffers.vt;   /* [N/2][Dv][2] */
+    float* scores_t = buffers.s;                  /* [N][16]: S^T as the tiles leave it */
+    float* s = scores_t + N * 16;                 /* [rows][N] */
+    float* o = buffers.o;                         /* [Dv/32][16][16]: O's chunks, parity rows */
+    float* o_rows = o + chunks * 256;             /* [rows][Dv]: O in order, for write_row */
+    uint16_t* pa = buffers.pb;                    /* [N/16][16][32]: P in parity pairs */
+    uint16_t* v_block = buffers.vt;               /* [16][Dv]: a partial last block of V */
     int64_t head[kDotMaxRows], query[kDotMaxRows];
     float position[kDotMaxRows], row_max[kDotMaxRows], row_sum[kDotMaxRows];
     start_rows<float>(p, kvh, q0, qn, rows, head, query, position, row_max, row_sum);
     pack_queries(p, b, kvh, q0, qn, 16, buffers.qb);
-    std::memset(o, 0, sizeof(float) * 16 * Dv);
-    std::memset(probabilities, 0, sizeof(uint16_t) * 16 * N);
+    std::memset(o, 0, sizeof(float) * chunks * 256);
+    std::memset(pa, 0, sizeof(uint16_t) * N * 32);
+    auto rescale = [&](int r, float alpha) {
+        const __m512 by = _mm512_set1_ps(alpha);
+        for (int64_t c = 0; c < chunks; ++c)
+            for (int row : {r, rows + r})
+                _mm512_storeu_ps(o + c * 256 + row * 16, _mm512_mul_ps(_mm512_loadu_ps(o + c * 256 + row * 16), by));
+    };
 
     int64_t lo, hi;
     visible_keys(p, b, q0, qn, k_begin, k_end, &lo, &hi);
     const __m512 scale = _mm512_set1_ps((float)p.scale);
     configure_tiles();
     for (int64_t kt = lo; kt < hi; kt += N) {
-        const int64_t n = std::min(N, hi - kt), blocks = (n + 15) / 16, keys32 = round_up(n, 32);
+        const int64_t n = std::min(N, hi - kt), blocks = (n + 15) / 16;
         if (p.mask_kind != MASK_NONE && mask_hides_tile(p, b, kvh, q0, qn, kt, n)) continue;
         const uint16_t* k = at<uint16_t>(p.k, b * p.k_stride[0] + kvh * p.k_stride[1] + kt * p.k_stride[2]);
         const uint16_t* v = at<uint16_t>(p.v, b * p.v_stride[0] + kvh * p.v_stride[1] + kt * p.v_stride[2]);
-        /* The next tile's rows, a few lines at a time between this tile's transposes and value pairs
-         * (as DotKernel spreads them: a burst would stall the core on full fill buffers). */
+        /* The next tile's rows, a few lines at a time after each of this tile's products (as
+         * DotKernel spreads them: a burst would stall the core on full fill buffers). */
         SpreadPrefetch<uint16_t> ahead(p, b, kvh, kt + N, kt + N < hi ? std::min(N, hi - kt - N) : 0);
-        const int64_t calls = blocks + keys32 / 2, lines_per_call = (ahead.total_lines() + calls - 1) / calls;
+        const int64_t calls = (blocks + 1) / 2 * (D / 32) + blocks * chunks;
+        const int64_t lines_per_call = (ahead.total_lines() + calls - 1) / calls;
+        auto issue = [&]() __attribute__((always_inline)) { ahead.issue(lines_per_call); };
 
-        tile_scores(k, p.k_stride[2], n, buffers.qb, D, scores_t, 16, buffers.k_block);
-        for (int64_t kb = 0; kb < blocks; ++kb) {
-            ahead.issue(lines_per_call);
-            __m512i block[16];
-            for (int i = 0; i < 16; ++i) block[i] = _mm512_castps_si512(_mm512_loadu_ps(scores_t + (kb * 16 + i) * 16));
-            transpose_16x16_dwords(block);
-            for (int r = 0; r < rows; ++r)
-                _mm512_storeu_ps(s + r * N + kb * 16, _mm512_mul_ps(_mm512_castsi512_ps(block[r]), scale));
-        }
-        softmax_rows<float>(p, s, N, rows, n, kt, b, kvh, q0, qn, head, query, position, row_max, row_sum, o);
-        round_probability_rows(s, N, rows, n, keys32, probabilities); /* keys from n on: 0 */
-        auto value_row = [&](int64_t j) -> const uint16_t* { return j < n ? v + j * p.v_stride[2] : nullptr; };
-        pack_row_pairs(value_row, keys32, Dv, value_pairs, [&] { ahead.issue(lines_per_call); });
-        pairs_product(probabilities, N, 16, keys32 / 32, value_pairs, Dv, o);
+        tile_scores_as<false>(k, p.k_stride[2], n, buffers.qb, D, scores_t, 16, buffers.k_block, 0, 0, issue);
+        for (int64_t kb = 0; kb < blocks; ++kb)
+            score_rows_from_columns(scores_t + kb * 256, rows, s + kb * 16, N, scale);
+        softmax_rows_rescaled<float>(p, s, N, rows, n, kt, b, kvh, q0, qn, head, query, position, row_max, row_sum,
+                                     rescale);
+        pack_parity_probabilities(s, N, rows, n, pa);
+        parity_output(pa, v, p.v_stride[2], n, Dv, o, v_block, issue);
     }
     _tile_release();
-    for (int r = 0; r < rows; ++r)
-        write_row<float, bfloat16_bits>(p, b, head[r], query[r], r, o + r * Dv, row_max[r], row_sum[r], partial_out,
+    const __m512i even_first = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512i even_second = _mm512_add_epi32(even_first, _mm512_set1_epi32(8));
+    for (int r = 0; r < rows; ++r) {
+        float* row = o_rows + r * Dv;
+        for (int64_t c = 0; c < chunks; ++c) {
+            const __m512 even = _mm512_loadu_ps(o + c * 256 + r * 16), odd = _mm512_loadu_ps(o + c * 256 + (rows + r) * 16);
+            _mm512_storeu_ps(row + c * 32, _mm512_permutex2var_ps(even, even_first, odd));
+            _mm512_storeu_ps(row + c * 32 + 16, _mm512_permutex2var_ps(even, even_second, odd));
+        }
+        write_row<float, bfloat16_bits>(p, b, head[r], query[r], r, row, row_max[r], row_sum[r], partial_out,
                                         partial_lse);
+    }
 }
 
 }  // namespace FASTATTN_ISA_NAMESPACE

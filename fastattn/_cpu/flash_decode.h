@@ -111,15 +111,16 @@ static inline void start_rows(const FwdParams& p, int64_t kvh, int64_t q0, int64
 /* One key tile's scores of `rows` rows held along the keys (row r at s + r * N; n keys from kt)
  * become probabilities, in finish_scores' order: softcap, the mask, then causal/window hiding
  * (per-element work only where this tile needs it, forward_block's edge tests); then the online
- * softmax along each row, with its O row (o + r * Dv) rescaled, and dropout. */
-template <typename T>
-static inline void softmax_rows(const FwdParams& p, T* s, int64_t N, int rows, int64_t n, int64_t kt, int64_t b,
-                                int64_t kvh, int64_t q0, int64_t qn, const int64_t* head, const int64_t* query,
-                                const T* position, T* row_max, T* row_sum, T* o) {
+ * softmax along each row, rescale(r, alpha) where row r's running maximum moved (its O times
+ * alpha), and dropout. */
+template <typename T, typename Rescale>
+static inline void softmax_rows_rescaled(const FwdParams& p, T* s, int64_t N, int rows, int64_t n, int64_t kt,
+                                         int64_t b, int64_t kvh, int64_t q0, int64_t qn, const int64_t* head,
+                                         const int64_t* query, const T* position, T* row_max, T* row_sum,
+                                         Rescale&& rescale) {
     typedef typename Vec<T>::type V;
     constexpr int L = Vec<T>::lanes;
     const T neg_inf = -std::numeric_limits<T>::infinity();
-    const int64_t Dv = p.head_dim_v;
     const Band band(p);
     const BandEdges edges = band.edges(kt, n, q0 + p.offset, q0 + qn - 1 + p.offset);
     const T left = (T)band.left, right = (T)band.right;
@@ -163,10 +164,21 @@ static inline void softmax_rows(const FwdParams& p, T* s, int64_t N, int rows, i
         }
         row_sum[r] = row_sum[r] * alpha + vsum<T>(total) + tail;
         row_max[r] = new_max;
-        if (alpha != T(1))
-            for (int64_t c = 0; c < Dv; ++c) o[r * Dv + c] *= alpha;
+        if (alpha != T(1)) rescale(r, alpha);
     }
     if (p.dropout_p > 0) dropout_tile<T>(p, s, 1, N, rows, n, kt, b, kvh, q0, qn, false);
+}
+
+/* softmax_rows_rescaled with O's rows at o + r * Dv. */
+template <typename T>
+static inline void softmax_rows(const FwdParams& p, T* s, int64_t N, int rows, int64_t n, int64_t kt, int64_t b,
+                                int64_t kvh, int64_t q0, int64_t qn, const int64_t* head, const int64_t* query,
+                                const T* position, T* row_max, T* row_sum, T* o) {
+    const int64_t Dv = p.head_dim_v;
+    softmax_rows_rescaled<T>(p, s, N, rows, n, kt, b, kvh, q0, qn, head, query, position, row_max, row_sum,
+                             [&](int r, T alpha) {
+                                 for (int64_t c = 0; c < Dv; ++c) o[r * Dv + c] *= alpha;
+                             });
 }
 
 /* One kv head's rows of a decode item: scratch (q [R][D] scaled, s [R][N], o [R][Dv], q's and o's
