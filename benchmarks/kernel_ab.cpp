@@ -3,11 +3,13 @@
  * one instruction-set level and calls run_item on items laid out as fastattn's planner lays them
  * out, so a change to a header shows in seconds of compiling instead of a build of every level.
  *
- *   decode DTYPE PLACE REPS   C6's shape (64 (b, kv head) items of 4096 keys, GQA 4, D 128), DTYPE
- *                             float32, bfloat16 or float16; PLACE "stream": every item once on 2
- *                             OpenMP threads, back to back as bench_cpu.py times C6 (K and V
- *                             134-268 MB); "cache": 2 kv heads of 512 keys, one thread, 200 times a
- *                             repeat (K and V in L2: the arithmetic alone).  Prints ns a key (median).
+ *   decode DTYPE PLACE REPS [QUERIES]
+ *                             C6's shape (64 (b, kv head) items of 4096 keys, GQA 4, D 128; QUERIES
+ *                             positions, 1 by default: 4 is C6q4's 16 rows an item), DTYPE float32,
+ *                             bfloat16 or float16; PLACE "stream": every item once on 2 OpenMP
+ *                             threads, back to back as bench_cpu.py times C6 (K and V 134-268 MB);
+ *                             "cache": 2 kv heads of 512 keys, one thread, 200 times a repeat (K and
+ *                             V in L2: the arithmetic alone).  Prints ns a key (median).
  *   forward H S D CAUSAL REPS float32 forward of B 1, H heads, S positions and keys, head size D,
  *                             on one thread, 64 query rows an item and 128-key tiles as the planner
  *                             takes them.  Prints GFLOP/s (median).
@@ -105,18 +107,19 @@ FwdParams params(int dtype, int64_t heads_kv, int64_t group, int64_t seq_q, int6
     return p;
 }
 
-template <typename In> void decode(int dtype, bool stream, int repeats) {
+template <typename In> void decode(int dtype, bool stream, int repeats, int64_t queries) {
     const int64_t group = 4, dim = 128, heads = stream ? 64 : 2, keys = stream ? 4096 : 512;
     const int calls = stream ? 1 : 200;
-    std::vector<In> q(heads * group * dim), out(heads * group * dim), k(heads * keys * dim), v(heads * keys * dim);
-    std::vector<float> lse(heads * group);
+    std::vector<In> q(heads * group * queries * dim), out(q.size()), k(heads * keys * dim), v(heads * keys * dim);
+    std::vector<float> lse(heads * group * queries);
     for (size_t i = 0; i < q.size(); ++i) q[i] = stored<In>(draw(i));
     for (size_t i = 0; i < k.size(); ++i) {
         k[i] = stored<In>(draw(i + q.size()));
         v[i] = stored<In>(draw(i + q.size() + k.size()));
     }
     int nonfinite = 0;
-    FwdParams p = params(dtype, heads, group, 1, keys, dim, 1, q.data(), k.data(), v.data(), out.data(), lse.data());
+    FwdParams p = params(dtype, heads, group, queries, keys, dim, queries, q.data(), k.data(), v.data(), out.data(),
+                         lse.data());
     p.nonfinite_output = &nonfinite;
     const int threads = stream ? 2 : 1;
     std::vector<std::vector<char>> scratch(threads, std::vector<char>(4 << 20)); /* kept, as the package keeps it */
@@ -164,7 +167,7 @@ void forward(int64_t heads, int64_t positions, int64_t dim, bool causal, int rep
 }
 
 int usage() {
-    std::fprintf(stderr, "usage: kernel_ab decode float32|bfloat16|float16 stream|cache REPS\n"
+    std::fprintf(stderr, "usage: kernel_ab decode float32|bfloat16|float16 stream|cache REPS [QUERIES]\n"
                          "       kernel_ab forward H S D CAUSAL(0|1) REPS\n");
     return 2;
 }
@@ -180,16 +183,18 @@ int main(int argc, char** argv) {
         return 1;
     }
 #endif
-    if (argc == 5 && std::string(argv[1]) == "decode") {
+    if ((argc == 5 || argc == 6) && std::string(argv[1]) == "decode") {
         const std::string dtype = argv[2], place = argv[3];
         const int repeats = std::atoi(argv[4]);
+        const int64_t queries = argc == 6 ? std::atoi(argv[5]) : 1;
+        if (queries < 1) return usage();
         if (place != "stream" && place != "cache") return usage();
         if (dtype == "float32")
-            decode<float>(DTYPE_FLOAT32, place == "stream", repeats);
+            decode<float>(DTYPE_FLOAT32, place == "stream", repeats, queries);
         else if (dtype == "bfloat16")
-            decode<bfloat16_bits>(DTYPE_BFLOAT16, place == "stream", repeats);
+            decode<bfloat16_bits>(DTYPE_BFLOAT16, place == "stream", repeats, queries);
         else if (dtype == "float16")
-            decode<half_bits>(DTYPE_FLOAT16, place == "stream", repeats);
+            decode<half_bits>(DTYPE_FLOAT16, place == "stream", repeats, queries);
         else
             return usage();
         return 0;

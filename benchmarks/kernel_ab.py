@@ -100,7 +100,7 @@ def main() -> None:
     parser.add_argument("a", type=Path, help="source tree A (the baseline)")
     parser.add_argument("b", type=Path, help="source tree B (the change)")
     parser.add_argument(
-        "run", nargs="+", help="kernel_ab.cpp's arguments: decode DTYPE PLACE REPS, or forward H S D CAUSAL REPS"
+        "run", nargs="+", help="kernel_ab.cpp's arguments: decode DTYPE PLACE REPS [QUERIES], or forward H S D CAUSAL REPS"
     )
     parser.add_argument("--level", choices=sorted(LEVEL_FLAGS), default="avx512")
     parser.add_argument("--rounds", type=int, default=10)

@@ -381,9 +381,21 @@ def test_bfloat16_forward_on_the_dot_product_units_matches_oracle(options, threa
     problem = _problem_of(case)
     block_queries = cpu_backend.plan(problem, 2)[0]
     kernel = _flash.forward_kernel(problem, block_queries, cpu_backend.tile_sizes(problem, 2)[1])
-    assert kernel == {"avx512bf16": "dpbf16", "amx": "amx"}.get(isa.active(), "vector")
+    assert kernel == {"avx512bf16": "dpbf16", "amx": _amx_kernel_of(case, block_queries)}.get(isa.active(), "vector")
     fastattn.set_num_threads(2)
     check_forward("cpu", "cpu", case)
+
+
+#: bfloat16 items of at most this many rows run on the AMX decode kernel at the amx level (where D
+#: and Dv are multiples of 32; fastattn/_cpu/flash_amx.h: kAmxDecodeMaxRows).
+AMX_DECODE_MAX_ROWS = 16
+
+
+def _amx_kernel_of(case: Case, block_queries: int) -> str:
+    """The amx level's kernel for ``case``'s bfloat16 items of ``block_queries`` positions."""
+    rows = case.group * min(block_queries, case.seq_q)
+    dims_fit = case.head_dim % 32 == 0 and case.head_dim_v % 32 == 0
+    return "amx-decode" if rows <= AMX_DECODE_MAX_ROWS and dims_fit else "amx"
 
 
 #: float16 forward cases: the bfloat16 ones (the last of 10 rows an item: on the float32 vectors at
@@ -463,6 +475,67 @@ def test_bfloat16_decode_on_the_dot_product_units_matches_oracle(options) -> Non
         check_forward("cpu", "cpu", case)
     finally:
         fastattn.set_num_threads(before)
+
+
+#: bfloat16 decodes of 9-16 stacked rows (AMX_DECODE_MAX_ROWS): on the AMX decode kernel, whose
+#: even and odd parity rows then take a P tile each (two chunks of O's columns a pass: Dv 32, 96 and
+#: 160 leave one chunk over); on the row-block kernels at the other levels.
+WIDE_DECODE_CASES = {
+    "nine-rows-one-item-split-keys": {"batch": 1, "heads_kv": 1, "group": 9, "seq_q": 1},
+    "ten-rows-value-dim-32-float-mask-softcap": {
+        "group": 5, "seq_q": 2, "head_dim_v": 32, "mask_kind": "float", "mask_shape": (2, 600), "softcap": 8.0,
+    },
+    "twelve-rows-value-dim-96-causal-window": {
+        "group": 4, "seq_q": 3, "head_dim_v": 96, "causal": "bottom_right", "window": (250, 0),
+    },
+    "sixteen-rows-bool-mask-lengths": {
+        "group": 8, "seq_q": 2, "mask_kind": "bool", "mask_shape": (2, 1, 1, 600), "key_lengths": (600, 77),
+    },
+    "sixteen-rows-value-dim-160-bshd-strided": {
+        "group": 16, "seq_q": 1, "head_dim": 128, "head_dim_v": 160, "layout": "bshd", "strided": "strided",
+    },
+}
+
+
+@pytest.mark.parametrize("options", list(WIDE_DECODE_CASES.values()), ids=list(WIDE_DECODE_CASES))
+def test_bfloat16_decode_of_nine_to_sixteen_rows_matches_oracle(options) -> None:
+    """bfloat16 decodes of 9-16 stacked rows over 600 keys (a partial last key tile) on the kernel the
+    level runs them on; the first case's single item splits its keys across threads."""
+    case = _bfloat16_case(options)
+    problem = _problem_of(case)
+    block_queries, _ = cpu_backend.plan(problem, 2)
+    kernel = _flash.forward_kernel(problem, block_queries, cpu_backend.tile_sizes(problem, 2)[1])
+    assert kernel == {"avx512bf16": "dpbf16", "amx": "amx-decode"}.get(isa.active(), "vector")
+    before = fastattn.get_num_threads()
+    fastattn.set_num_threads(2)
+    try:
+        if case.batch * case.heads_kv == 1:
+            assert cpu_backend.plan(problem, 2)[1] > 1, "expected the keys split across threads"
+        check_forward("cpu", "cpu", case)
+    finally:
+        fastattn.set_num_threads(before)
+
+
+@pytest.mark.parametrize("group", [4, 12])
+def test_bfloat16_decode_keeps_the_references_nan_and_inf_columns(group: int) -> None:
+    """A NaN and an infinity in V at visible keys (one column each) give the reference's NaN/inf pattern
+    and its finite values elsewhere: the AMX decode's parity pairs also multiply each value's
+    neighbour column by 0 (NaN there), which the rerun that skips zero weights must undo."""
+    rng = np.random.default_rng()
+    q = rng.standard_normal((2, 2 * group, 1, 64)).astype(ml_dtypes.bfloat16)
+    k = rng.standard_normal((2, 2, 300, 64)).astype(ml_dtypes.bfloat16)
+    v = rng.standard_normal((2, 2, 300, 64)).astype(ml_dtypes.bfloat16)
+    v[0, 1, 17, 5] = np.nan
+    v[1, 0, 250, 10] = np.inf
+    out = fastattn.attention(q, k, v, backend="cpu")
+    with np.errstate(invalid="ignore"):
+        expected = fastattn.attention(*(x.astype(np.float64) for x in (q, k, v)), backend="reference")
+    got = out.astype(np.float64)
+    for test in (np.isnan, np.isposinf, np.isneginf):
+        assert np.array_equal(test(got), test(expected)), f"{test.__name__} pattern differs from the reference"
+    assert np.isnan(expected[0, group:, :, 5]).all() and np.isposinf(expected[1, :group, :, 10]).all()
+    finite = np.isfinite(expected)
+    assert relative_error(got[finite], expected[finite]) <= FORWARD_TOLERANCE["bfloat16"]
 
 
 @pytest.mark.parametrize("seq_q", [1, 77])

@@ -512,43 +512,79 @@ static void forward_block_amx(const FwdParams& p, char* scratch, int64_t b, int6
 
 /* ---- decode: a few rows ------------------------------------------------------------------------------
  *
- * With rows <= kDotMaxRows (decode) K and V are read once for R rows, so the kernel must keep up
- * with memory, and the tiles compute 16 rows where R are real.  The layout and softmax are the
- * vector decode's (each row's scores along the keys, softmax_rows_rescaled); the products:
+ * With rows <= kAmxDecodeMaxRows (decodes, GQA groups times a few queries) K and V are read once for
+ * R rows, so the kernel must keep up with memory.  The layout and softmax are the vector decode's
+ * (each row's scores along the keys, softmax_rows_rescaled); the products:
  *   S^T[keys][16] = K Q^T  tile_scores: A = 16 keys x 32 dims read in place from K, B = Q^T in
- *                          pairs of dims (rows past R zero); the R live columns go to the rows by
- *                          4 x 4 transposes (score_rows_from_columns), scaled (Q is not);
- *   O += P V               A = P "in parity pairs", 16 keys a tile: row r < R holds (P[r][j], 0),
- *                          row R + r holds (0, P[r][j]), so with B = V's 16 rows as they lie (each
- *                          row 16 pairs of adjacent columns) row r gathers O[r]'s even columns and
- *                          row R + r its odd ones: V is read in place, never interleaved or
- *                          transposed.  The tdpbf16ps count equals the interleaved layout's (16 x
- *                          32 columns a tile either way), and the idle rows of A carry the parity.
+ *                          pairs of dims (rows past R zero); the R live columns go to the rows,
+ *                          scaled (Q is not): by 4 x 4 transposes up to 8 rows
+ *                          (score_rows_from_columns), else a 16 x 16 one;
+ *   O += P V               A = P "in parity pairs", 16 keys a tile: O[r]'s even columns come from a
+ *                          row holding (P[r][j], 0), its odd ones from a row holding (0, P[r][j]),
+ *                          with B = V's 16 rows as they lie (each row 16 pairs of adjacent columns):
+ *                          V is read in place, never interleaved or transposed.  Up to 8 rows both
+ *                          parities share one A tile (row r even, row R + r odd), which the idle
+ *                          rows had left free: the tdpbf16ps count equals the interleaved layout's.
+ *                          Above 8 rows each parity has a tile of its own (twice the products,
+ *                          against the interleave or transpose of V for every key tile).
  * The price of the zero half of each pair: it multiplies the neighbouring column's V, so a NaN or
  * infinity in V reaches its neighbour column too.  Either way the row's output is non-finite, so
  * the rerun that skips zero weights (forward_tiles.h, note_stored) recomputes it, on the vector
  * decode (this kernel declines that rerun).
- * Tiles, all 16 rows x 64 bytes as configure_tiles sets them: for O += P V, C tiles 0-3 hold four
- * 32-column chunks of O over a key tile (loaded and stored once per tile: the online softmax's
- * rescales run on the buffer between tiles), A tile 4 a key block's P, B tiles 5-7 V's chunks.
- * The O buffer holds chunk c's tile at o + 256 c: row r's even columns at row r, odd at row R + r.
+ * Tiles, all 16 rows x 64 bytes as configure_tiles sets them: for O += P V, C tiles 0-3 hold O over a
+ * key tile (loaded and stored once per tile: the online softmax's rescales run on the buffer between
+ * tiles): four 32-column chunks up to 8 rows, else two chunks' even and odd tiles; A tiles 4 (and 5,
+ * the odd one, above 8 rows) a key block's P, B tiles V's chunks.  ParityLayout says where each
+ * row's even and odd parts lie in the P tiles and the O buffer.
  * Before, P V ran on V interleaved in pairs of keys through memory (pack_row_pairs: a load, two
  * permutes and two stores per 64 bytes of V, then a tile load of the result), S^T went to the rows
  * by whole 16 x 16 transposes, and the prefetches came in bursts of ~64 lines per 16 keys.  2-core
  * Xeon model 167, kernel_ab.py decode bfloat16, paired medians: in L2 (one thread) 30.6 -> 20.7 ns a
  * key, streamed (C6, 2 threads) 30.2 -> 23.5; bench_cpu.py C6 3.72 ms, 0.68 of the prefetched read
- * (0.46 before, benchmarks/README).
+ * (0.46 before, benchmarks/README).  9-16 rows ran on forward_block_amx, which transposes V per key
+ * tile: C6q4 (16 rows) streamed 1.27x faster here (7.90 -> 6.30 ms in bench_cpu.py), though in L2 it
+ * is 0.85x (37 -> 43 ns a key: sixteen rows' softmax along the keys and twice the P V products);
+ * a decode streams its cache, so the decode kernel takes them.  Running each tile's P V after the
+ * next tile's Q K^T (so that no tile load reads what vector stores had just written) was 3-5%
+ * slower both ways and was dropped.
  * Taken when: bfloat16, D and Dv multiples of 32, key_tile of 32, no rerun that skips zero weights.
  */
+constexpr int kAmxDecodeMaxRows = 16;
+
 static bool amx_decode_applies(const FwdParams& p, int64_t rows) {
-    return rows <= kDotMaxRows && p.head_dim % 32 == 0 && p.head_dim_v % 32 == 0 && p.key_tile % 32 == 0 &&
+    return rows <= kAmxDecodeMaxRows && p.head_dim % 32 == 0 && p.head_dim_v % 32 == 0 && p.key_tile % 32 == 0 &&
            !p.skip_zero_weights;
 }
 
+/* Where the decode's parity pairs lie for R rows: in a key block's P tiles (p_block elements a block)
+ * row r's even pairs at 32 r, its odd ones p_odd further; in O's buffer (o_chunk floats a 32-column
+ * chunk) row r's even columns at 16 r, its odd ones o_odd further. */
+struct ParityLayout {
+    int rows;
+    bool split; /* even and odd rows in tiles of their own (more than 8 rows) */
+    int64_t p_block, p_odd, o_chunk, o_odd;
+
+    explicit ParityLayout(int rows_)
+        : rows(rows_),
+          split(rows_ > 8),
+          p_block(split ? 1024 : 512),
+          p_odd(split ? 512 : 32 * rows_),
+          o_chunk(split ? 512 : 256),
+          o_odd(split ? 256 : 16 * rows_) {}
+};
+
 /* Rows r < rows of s (N apart) take the first `rows` columns of one 16 x 16 block of S^T (16 keys,
- * rows of 16 floats), times scale: per 4 columns, four 4 x 4 transposes side by side (one per 128-bit
- * lane of 4 keys), where a whole 16 x 16 transpose would shuffle 16 columns to keep 4. */
+ * rows of 16 floats), times scale.  Up to 8 rows: per 4 columns, four 4 x 4 transposes side by side
+ * (one per 128-bit lane of 4 keys), where a whole 16 x 16 transpose would shuffle 16 columns to keep
+ * 4 or 8. */
 static inline void score_rows_from_columns(const float* scores_t, int rows, float* s, int64_t N, __m512 scale) {
+    if (rows > 8) {
+        __m512i block[16];
+        for (int i = 0; i < 16; ++i) block[i] = _mm512_castps_si512(_mm512_loadu_ps(scores_t + i * 16));
+        transpose_16x16_dwords(block);
+        for (int r = 0; r < rows; ++r) _mm512_storeu_ps(s + r * N, _mm512_mul_ps(_mm512_castsi512_ps(block[r]), scale));
+        return;
+    }
     for (int c = 0; c < rows; c += 4) {
         __m512 z[4]; /* z[q], lane l: S^T[4 l + q][c .. c + 3] */
         for (int q = 0; q < 4; ++q) {
@@ -568,36 +604,49 @@ static inline void score_rows_from_columns(const float* scores_t, int rows, floa
     }
 }
 
-/* The A tiles of O += P V in parity pairs (see above) for the tile's n keys, 16 keys a tile at
- * pa + 512 kb: P rounded to bfloat16 as the GPU kernels do, keys from n on zero; rows from 2 rows on
- * are left as they are (zero, from the item's start). */
-static inline void pack_parity_probabilities(const float* s, int64_t N, int rows, int64_t n, uint16_t* pa) {
+/* The A tiles of O += P V in parity pairs (see above) for the tile's n keys, 16 keys a block at
+ * pa + layout.p_block kb: P rounded to bfloat16 as the GPU kernels do, keys from n on zero; the
+ * tiles' other rows are left as they are (zero, from the item's start). */
+static inline void pack_parity_probabilities(const float* s, int64_t N, const ParityLayout& layout, int64_t n,
+                                             uint16_t* pa) {
     for (int64_t j = 0; j < n; j += 16) {
         const __mmask16 live = j + 16 <= n ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1);
-        uint16_t* tile = pa + j * 32;
-        for (int r = 0; r < rows; ++r) {
+        uint16_t* block = pa + j / 16 * layout.p_block;
+        for (int r = 0; r < layout.rows; ++r) {
             const __m512 weights = _mm512_maskz_loadu_ps(live, s + r * N + j);
             const __m512i even = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(weights));
-            _mm512_storeu_si512(tile + r * 32, even);
-            _mm512_storeu_si512(tile + (rows + r) * 32, _mm512_slli_epi32(even, 16));
+            _mm512_storeu_si512(block + r * 32, even);
+            _mm512_storeu_si512(block + r * 32 + layout.p_odd, _mm512_slli_epi32(even, 16));
         }
     }
 }
 
-/* O's chunks c0 .. c0 + C - 1 (C <= 4, tiles at o + 256 c) += P V over the tile's key blocks: A tile
- * 4 = pa's block kb, B tiles = V's rows of the block from v + 32 c (row_bytes apart; the last
- * block's at v_block where it is partial, tail_bytes apart).  between() after each product. */
+/* Where parity_output's steps read V: a key block's 16 rows from v (row_bytes apart), or, for the
+ * last block where it is partial, from v_block (tail_bytes apart). */
+struct ValueBlocks {
+    const uint16_t* v;
+    int64_t row_bytes;
+    const uint16_t* v_block;
+    int64_t tail_bytes, blocks;
+
+    const uint16_t* rows(int64_t kb, int64_t* bytes) const {
+        const bool padded = v_block != nullptr && kb == blocks - 1;
+        *bytes = padded ? tail_bytes : row_bytes;
+        return padded ? v_block : v + kb * 16 * (row_bytes / 2);
+    }
+};
+
+/* Up to 8 rows: O's chunks c0 .. c0 + C - 1 (C <= 4, tiles o_chunk apart from o) += P V over the
+ * tile's key blocks: A tile 4 = pa's block kb, B tiles = V's chunks.  between() after each product. */
 template <int C, typename Between>
-static inline void parity_chunks(const uint16_t* pa, int64_t blocks, const uint16_t* v, int64_t row_bytes,
-                                 const uint16_t* v_block, int64_t tail_bytes, float* o, Between&& between) {
+static inline void parity_chunks(const uint16_t* pa, const ValueBlocks& values, float* o, Between&& between) {
     _tile_loadd(0, o, 64);
     if (C > 1) _tile_loadd(1, o + 256, 64);
     if (C > 2) _tile_loadd(2, o + 512, 64);
     if (C > 3) _tile_loadd(3, o + 768, 64);
-    for (int64_t kb = 0; kb < blocks; ++kb) {
-        const bool padded = v_block != nullptr && kb == blocks - 1;
-        const uint16_t* rows = padded ? v_block : v + kb * 16 * (row_bytes / 2);
-        const int64_t bytes = padded ? tail_bytes : row_bytes;
+    for (int64_t kb = 0; kb < values.blocks; ++kb) {
+        int64_t bytes;
+        const uint16_t* rows = values.rows(kb, &bytes);
         _tile_loadd(4, pa + kb * 512, 64);
         _tile_loadd(5, rows, bytes);
         _tile_dpbf16ps(0, 4, 5);
@@ -624,26 +673,63 @@ static inline void parity_chunks(const uint16_t* pa, int64_t blocks, const uint1
     if (C > 3) _tile_stored(3, o + 768, 64);
 }
 
-/* O += P V for the tile's n keys (V's rows v_stride elements apart), four chunks of 32 columns at a
- * time; a partial last block of keys is copied into v_block with zero rows after it (zero P times
- * zero V: what follows V in memory is never read). */
+/* Above 8 rows: O's chunks c0 (and c0 + 1 for C = 2; even tile, then odd, 256 floats apart, 512 a
+ * chunk) += P V: A tiles 4 and 5 = pa's even and odd tiles of block kb, B tiles 6, 7 = V's chunks.
+ * between() after each pair of products. */
+template <int C, typename Between>
+static inline void parity_chunk_pairs(const uint16_t* pa, const ValueBlocks& values, float* o, Between&& between) {
+    _tile_loadd(0, o, 64);
+    _tile_loadd(1, o + 256, 64);
+    if (C > 1) {
+        _tile_loadd(2, o + 512, 64);
+        _tile_loadd(3, o + 768, 64);
+    }
+    for (int64_t kb = 0; kb < values.blocks; ++kb) {
+        int64_t bytes;
+        const uint16_t* rows = values.rows(kb, &bytes);
+        _tile_loadd(4, pa + kb * 1024, 64);
+        _tile_loadd(5, pa + kb * 1024 + 512, 64);
+        _tile_loadd(6, rows, bytes);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 5, 6);
+        between();
+        if (C > 1) {
+            _tile_loadd(7, rows + 32, bytes);
+            _tile_dpbf16ps(2, 4, 7);
+            _tile_dpbf16ps(3, 5, 7);
+            between();
+        }
+    }
+    _tile_stored(0, o, 64);
+    _tile_stored(1, o + 256, 64);
+    if (C > 1) {
+        _tile_stored(2, o + 512, 64);
+        _tile_stored(3, o + 768, 64);
+    }
+}
+
+/* O += P V for the tile's n keys (V's rows v_stride elements apart); a partial last block of keys is
+ * copied into v_block with zero rows after it (zero P times zero V: what follows V in memory is never
+ * read). */
 template <typename Between>
-static void parity_output(const uint16_t* pa, const uint16_t* v, int64_t v_stride, int64_t n, int64_t Dv, float* o,
-                          uint16_t* v_block, Between&& between) {
+static void parity_output(const uint16_t* pa, const ParityLayout& layout, const uint16_t* v, int64_t v_stride,
+                          int64_t n, int64_t Dv, float* o, uint16_t* v_block, Between&& between) {
     const int64_t blocks = (n + 15) / 16, tail = n % 16, chunks = Dv / 32;
     if (tail) {
         std::memset(v_block, 0, sizeof(uint16_t) * 16 * Dv);
         for (int64_t j = 0; j < tail; ++j) std::memcpy(v_block + j * Dv, v + (n - tail + j) * v_stride, 2 * Dv);
     }
-    for (int64_t c = 0; c < chunks; c += 4) {
-        const uint16_t* padded = tail ? v_block + c * 32 : nullptr;
-        const uint16_t* first = v + c * 32;
-        float* chunk = o + c * 256;
-        switch (std::min<int64_t>(4, chunks - c)) {
-            case 1: parity_chunks<1>(pa, blocks, first, v_stride * 2, padded, Dv * 2, chunk, between); break;
-            case 2: parity_chunks<2>(pa, blocks, first, v_stride * 2, padded, Dv * 2, chunk, between); break;
-            case 3: parity_chunks<3>(pa, blocks, first, v_stride * 2, padded, Dv * 2, chunk, between); break;
-            default: parity_chunks<4>(pa, blocks, first, v_stride * 2, padded, Dv * 2, chunk, between); break;
+    const int64_t step = layout.split ? 2 : 4; /* chunks a pass: four C tiles */
+    for (int64_t c = 0; c < chunks; c += step) {
+        const ValueBlocks values{v + c * 32, v_stride * 2, tail ? v_block + c * 32 : nullptr, Dv * 2, blocks};
+        float* chunk = o + c * layout.o_chunk;
+        switch (layout.split ? -std::min<int64_t>(2, chunks - c) : std::min<int64_t>(4, chunks - c)) {
+            case -1: parity_chunk_pairs<1>(pa, values, chunk, between); break;
+            case -2: parity_chunk_pairs<2>(pa, values, chunk, between); break;
+            case 1: parity_chunks<1>(pa, values, chunk, between); break;
+            case 2: parity_chunks<2>(pa, values, chunk, between); break;
+            case 3: parity_chunks<3>(pa, values, chunk, between); break;
+            default: parity_chunks<4>(pa, values, chunk, between); break;
         }
     }
 }
@@ -652,25 +738,26 @@ static void forward_decode_amx(const FwdParams& p, char* scratch, int64_t b, int
                                int64_t k_begin, int64_t k_end, float* partial_out, float* partial_lse) {
     const int64_t D = p.head_dim, Dv = p.head_dim_v, N = p.key_tile, chunks = Dv / 32;
     const int rows = (int)(p.group * qn);
+    const ParityLayout layout(rows);
     PairBuffers buffers;
     buffers.carve(p, scratch);
     float* scores_t = buffers.s;                  /* [N][16]: S^T as the tiles leave it */
     float* s = scores_t + N * 16;                 /* [rows][N] */
-    float* o = buffers.o;                         /* [Dv/32][16][16]: O's chunks, parity rows */
-    float* o_rows = o + chunks * 256;             /* [rows][Dv]: O in order, for write_row */
-    uint16_t* pa = buffers.pb;                    /* [N/16][16][32]: P in parity pairs */
+    float* o = buffers.o;                         /* [Dv/32][o_chunk]: O's chunks in parity rows */
+    float* o_rows = o + chunks * layout.o_chunk;  /* [rows][Dv]: O in order, for write_row */
+    uint16_t* pa = buffers.pb;                    /* [N/16][p_block]: P in parity pairs */
     uint16_t* v_block = buffers.vt;               /* [16][Dv]: a partial last block of V */
-    int64_t head[kDotMaxRows], query[kDotMaxRows];
-    float position[kDotMaxRows], row_max[kDotMaxRows], row_sum[kDotMaxRows];
+    int64_t head[kAmxDecodeMaxRows], query[kAmxDecodeMaxRows];
+    float position[kAmxDecodeMaxRows], row_max[kAmxDecodeMaxRows], row_sum[kAmxDecodeMaxRows];
     start_rows<float>(p, kvh, q0, qn, rows, head, query, position, row_max, row_sum);
     pack_queries(p, b, kvh, q0, qn, 16, buffers.qb);
-    std::memset(o, 0, sizeof(float) * chunks * 256);
-    std::memset(pa, 0, sizeof(uint16_t) * N * 32);
+    std::memset(o, 0, sizeof(float) * chunks * layout.o_chunk);
+    std::memset(pa, 0, sizeof(uint16_t) * N / 16 * layout.p_block);
     auto rescale = [&](int r, float alpha) {
         const __m512 by = _mm512_set1_ps(alpha);
         for (int64_t c = 0; c < chunks; ++c)
-            for (int row : {r, rows + r})
-                _mm512_storeu_ps(o + c * 256 + row * 16, _mm512_mul_ps(_mm512_loadu_ps(o + c * 256 + row * 16), by));
+            for (float* part : {o + c * layout.o_chunk + r * 16, o + c * layout.o_chunk + layout.o_odd + r * 16})
+                _mm512_storeu_ps(part, _mm512_mul_ps(_mm512_loadu_ps(part), by));
     };
 
     int64_t lo, hi;
@@ -694,8 +781,8 @@ static void forward_decode_amx(const FwdParams& p, char* scratch, int64_t b, int
             score_rows_from_columns(scores_t + kb * 256, rows, s + kb * 16, N, scale);
         softmax_rows_rescaled<float>(p, s, N, rows, n, kt, b, kvh, q0, qn, head, query, position, row_max, row_sum,
                                      rescale);
-        pack_parity_probabilities(s, N, rows, n, pa);
-        parity_output(pa, v, p.v_stride[2], n, Dv, o, v_block, issue);
+        pack_parity_probabilities(s, N, layout, n, pa);
+        parity_output(pa, layout, v, p.v_stride[2], n, Dv, o, v_block, issue);
     }
     _tile_release();
     const __m512i even_first = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
@@ -703,9 +790,10 @@ static void forward_decode_amx(const FwdParams& p, char* scratch, int64_t b, int
     for (int r = 0; r < rows; ++r) {
         float* row = o_rows + r * Dv;
         for (int64_t c = 0; c < chunks; ++c) {
-            const __m512 even = _mm512_loadu_ps(o + c * 256 + r * 16), odd = _mm512_loadu_ps(o + c * 256 + (rows + r) * 16);
-            _mm512_storeu_ps(row + c * 32, _mm512_permutex2var_ps(even, even_first, odd));
-            _mm512_storeu_ps(row + c * 32 + 16, _mm512_permutex2var_ps(even, even_second, odd));
+            const float* even = o + c * layout.o_chunk + r * 16;
+            const __m512 evens = _mm512_loadu_ps(even), odds = _mm512_loadu_ps(even + layout.o_odd);
+            _mm512_storeu_ps(row + c * 32, _mm512_permutex2var_ps(evens, even_first, odds));
+            _mm512_storeu_ps(row + c * 32 + 16, _mm512_permutex2var_ps(evens, even_second, odds));
         }
         write_row<float, bfloat16_bits>(p, b, head[r], query[r], r, row, row_max[r], row_sum[r], partial_out,
                                         partial_lse);

@@ -57,9 +57,17 @@ struct PairBuffers {
     int64_t carve(const FwdParams& p, char* base) {
         const int64_t mp = round_up(p.group * p.block_queries, 32), N = p.key_tile;
         const int64_t D = p.head_dim, Dv = p.head_dim_v, parts = p.dtype == DTYPE_FLOAT16 ? 2 : 1;
-        const int64_t sizes[] = {4 * N * mp,         4 * Dv * mp,        4 * mp,
-                                 4 * mp,             4 * mp,             2 * parts * mp * D,
-                                 2 * parts * N * mp, 2 * parts * Dv * N, 2 * parts * 16 * D,
+        /* pb: P's pairs, or the AMX decode's P in parity pairs (flash_amx.h), two 16 x 32 tiles per
+         * 16 keys above 8 rows: 64 elements a key. */
+        const int64_t sizes[] = {4 * N * mp,
+                                 4 * Dv * mp,
+                                 4 * mp,
+                                 4 * mp,
+                                 4 * mp,
+                                 2 * parts * mp * D,
+                                 2 * N * std::max<int64_t>(parts * mp, 64),
+                                 2 * parts * Dv * N,
+                                 2 * parts * 16 * D,
                                  parts > 1 ? 2 * N * 2 * std::max(D, Dv) : 0};
         void** slots[] = {(void**)&s,  (void**)&o,  (void**)&row_max, (void**)&row_sum, (void**)&position,
                           (void**)&qb, (void**)&pb, (void**)&vt,      (void**)&k_block, (void**)&kv_parts};

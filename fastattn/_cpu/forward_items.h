@@ -77,8 +77,8 @@ enum ForwardKernel {
 
 static inline ForwardKernel forward_kernel_of(const FwdParams& p, int64_t rows) {
 #if defined(FASTATTN_HAS_AMX)
-    if ((p.dtype == DTYPE_BFLOAT16 || p.dtype == DTYPE_FLOAT16) && amx_forward_applies(p, rows)) return KERNEL_AMX;
     if (p.dtype == DTYPE_BFLOAT16 && amx_decode_applies(p, rows)) return KERNEL_AMX_DECODE;
+    if ((p.dtype == DTYPE_BFLOAT16 || p.dtype == DTYPE_FLOAT16) && amx_forward_applies(p, rows)) return KERNEL_AMX;
 #elif defined(FASTATTN_HAS_AVX512BF16)
     if (p.dtype == DTYPE_BFLOAT16 && dpbf16_forward_applies(p, rows)) return KERNEL_DPBF16;
     if (p.dtype == DTYPE_BFLOAT16 && dpbf16_decode_applies(p, rows)) return KERNEL_DPBF16_DECODE;
