@@ -176,7 +176,7 @@ static inline void softmax_rows(const FwdParams& p, T* s, int64_t N, int rows, i
                                 const T* position, T* row_max, T* row_sum, T* o) {
     const int64_t Dv = p.head_dim_v;
     softmax_rows_rescaled<T>(p, s, N, rows, n, kt, b, kvh, q0, qn, head, query, position, row_max, row_sum,
-                             [&](int r, T alpha) {
+                             [o, Dv](int r, T alpha) {
                                  for (int64_t c = 0; c < Dv; ++c) o[r * Dv + c] *= alpha;
                              });
 }
