@@ -24,44 +24,14 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 #: The compiler flags of each level, as setup.py builds its kernel objects (``_X86_LEVELS``).
+_AVX2_FLAGS = ["-march=x86-64", "-mtune=generic", "-mavx2", "-mfma", "-mf16c"]
+_AVX512_FLAGS = [*_AVX2_FLAGS, "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl"]
 LEVEL_FLAGS = {
     "generic": ["-march=x86-64", "-mtune=generic"],
-    "avx2": ["-march=x86-64", "-mtune=generic", "-mavx2", "-mfma", "-mf16c"],
-    "avx512": [
-        "-march=x86-64",
-        "-mtune=generic",
-        "-mavx2",
-        "-mfma",
-        "-mf16c",
-        "-mavx512f",
-        "-mavx512bw",
-        "-mavx512dq",
-        "-mavx512vl",
-    ],
-    "avx512bf16": [
-        "-march=x86-64",
-        "-mtune=generic",
-        "-mavx2",
-        "-mfma",
-        "-mavx512f",
-        "-mavx512bw",
-        "-mavx512dq",
-        "-mavx512vl",
-        "-mavx512bf16",
-    ],
-    "amx": [
-        "-march=x86-64",
-        "-mtune=generic",
-        "-mavx2",
-        "-mfma",
-        "-mavx512f",
-        "-mavx512bw",
-        "-mavx512dq",
-        "-mavx512vl",
-        "-mavx512bf16",
-        "-mamx-tile",
-        "-mamx-bf16",
-    ],
+    "avx2": _AVX2_FLAGS,
+    "avx512": _AVX512_FLAGS,
+    "avx512bf16": [*_AVX512_FLAGS, "-mavx512bf16"],
+    "amx": [*_AVX512_FLAGS, "-mavx512bf16", "-mamx-tile", "-mamx-bf16"],
 }
 
 

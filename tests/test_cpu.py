@@ -467,6 +467,11 @@ def test_bfloat16_decode_on_the_dot_product_units_matches_oracle(options) -> Non
     problem = _problem_of(case)
     kernel = _flash.forward_kernel(problem, case.seq_q, cpu_backend.AMX_KEY_TILE)
     assert kernel == {"avx512bf16": "dpbf16-decode", "amx": "amx-decode"}.get(isa.active(), "vector-decode")
+    _check_decode_on_two_threads(case, problem)
+
+
+def _check_decode_on_two_threads(case: Case, problem) -> None:
+    """check_forward of ``case`` on 2 threads; a single (b, kv head) item must split its keys."""
     before = fastattn.get_num_threads()
     fastattn.set_num_threads(2)
     try:
@@ -506,14 +511,7 @@ def test_bfloat16_decode_of_nine_to_sixteen_rows_matches_oracle(options) -> None
     block_queries, _ = cpu_backend.plan(problem, 2)
     kernel = _flash.forward_kernel(problem, block_queries, cpu_backend.tile_sizes(problem, 2)[1])
     assert kernel == {"avx512bf16": "dpbf16", "amx": "amx-decode"}.get(isa.active(), "vector")
-    before = fastattn.get_num_threads()
-    fastattn.set_num_threads(2)
-    try:
-        if case.batch * case.heads_kv == 1:
-            assert cpu_backend.plan(problem, 2)[1] > 1, "expected the keys split across threads"
-        check_forward("cpu", "cpu", case)
-    finally:
-        fastattn.set_num_threads(before)
+    _check_decode_on_two_threads(case, problem)
 
 
 @pytest.mark.parametrize("group", [4, 12])
