@@ -353,13 +353,13 @@ static void pairs_product(const uint16_t* a, int64_t a_stride, int64_t m, int64_
 /* ---- V packed once per call ----------------------------------------------------------------------
  *
  * Every query block of a kv head transposes the same V tiles (pack_values_transposed, 6-10% of the
- * forward's time).  Where the kernels run on AMX tiles and a kv head has several query blocks, a
+ * forward's time).  Where the items run forward_block_amx and a kv head has several query blocks, a
  * pass before the items packs each (b, kv head, key tile) once into packed_kv; the items read it.
  * A tile holds the keys below its batch row's key_lengths (the rest never are read, and may be
  * anything); a slot is N x Dv elements whatever the tile's keys. */
 static bool amx_packs_values(const FwdParams& p) {
     return p.dtype == DTYPE_BFLOAT16 && p.splits == 1 && p.query_blocks > 1 && !p.skip_zero_weights &&
-           amx_forward_applies(p, p.group * std::min(p.block_queries, p.seq_q));
+           forward_kernel_of(p, p.group * std::min(p.block_queries, p.seq_q)) == KERNEL_AMX;
 }
 
 static inline int64_t packed_value_tiles(const FwdParams& p) { return (p.seq_k + p.key_tile - 1) / p.key_tile; }
@@ -408,7 +408,7 @@ static void pack_value_item(const FwdParams& p, int64_t item) {
  * float32 kernels take 15 on the Xeon above). */
 static bool amx_splits_halves(const FwdParams& p) {
     return p.dtype == DTYPE_FLOAT16 && p.query_blocks > 1 && converted_kv_bytes(p) <= kConvertedKvMaxBytes &&
-           amx_forward_applies(p, p.group * std::min(p.block_queries, p.seq_q));
+           forward_kernel_of(p, p.group * std::min(p.block_queries, p.seq_q)) == KERNEL_AMX;
 }
 
 static size_t split_halves_bytes(const FwdParams& p) {
