@@ -49,7 +49,7 @@ static inline int64_t align64(int64_t bytes) { return (bytes + 63) / 64 * 64; }
  * the size, and a key tile's V rows, then its K rows, split in kv_parts where no pass before the
  * items split them. */
 struct PairBuffers {
-    float *s, *o, *row_max, *row_sum, *position;
+    float *s, *o, *row_max, *row_sum, *position, *key_mask;
     uint16_t *qb, *pb, *vt, *k_block, *kv_parts;
 
     static int64_t bytes(const FwdParams& p) { return PairBuffers().carve(p, nullptr); }
@@ -64,13 +64,15 @@ struct PairBuffers {
                                  4 * mp,
                                  4 * mp,
                                  4 * mp,
+                                 4 * N,
                                  2 * parts * mp * D,
                                  2 * N * std::max<int64_t>(parts * mp, 64),
                                  2 * parts * Dv * N,
                                  2 * parts * 16 * D,
                                  parts > 1 ? 2 * N * 2 * std::max(D, Dv) : 0};
-        void** slots[] = {(void**)&s,  (void**)&o,  (void**)&row_max, (void**)&row_sum, (void**)&position,
-                          (void**)&qb, (void**)&pb, (void**)&vt,      (void**)&k_block, (void**)&kv_parts};
+        void** slots[] = {(void**)&s,       (void**)&o,        (void**)&row_max, (void**)&row_sum,
+                          (void**)&position, (void**)&key_mask, (void**)&qb,      (void**)&pb,
+                          (void**)&vt,       (void**)&k_block,  (void**)&kv_parts};
         static_assert(sizeof(sizes) / sizeof(sizes[0]) == sizeof(slots) / sizeof(slots[0]), "one size a slot");
         int64_t offset = 0;
         for (size_t i = 0; i < sizeof(sizes) / sizeof(sizes[0]); ++i) {
@@ -355,6 +357,16 @@ static int64_t start_pairs_item(const FwdParams& p, const PairBuffers& buffers, 
     return mp;
 }
 
+/* Whether a tile's mask (one row for all its rows: mask_rows_shared) goes to the softmax as it reads
+ * the scores (mask_tiles.h: KeysHidden, KeysBiased) rather than through a pass over the tile: no softcap
+ * (which comes before the mask), no dropout (whose P returns to S) and no causal/window edge on the
+ * tile (which hides keys after the mask).  On the 2-core Xeon model 167 (AMX) the pass cost the
+ * bfloat16 forward 11-20% with a (B,1,1,Sk) mask (benchmarks/README). */
+static bool softmax_takes_mask(const FwdParams& p, int64_t q0, int64_t qn, int64_t kt, int64_t n) {
+    return p.mask_kind != MASK_NONE && mask_rows_shared(p) && p.softcap == 0 && p.dropout_p == 0 &&
+           !Band(p).edges(kt, n, q0 + p.offset, q0 + qn - 1 + p.offset).any();
+}
+
 /* One key tile's S^T (n keys from kt, unscaled, in buffers.s) to P in column pairs (packer), the
  * keys from n up to the next multiple of 32 zero: edges and masks, the online softmax (O^T rescaled),
  * dropout.  Masks and softcap see scaled scores, so S is scaled first for them; otherwise the scale
@@ -363,6 +375,17 @@ static void scores_to_pairs(const FwdParams& p, const PairBuffers& buffers, cons
                             int64_t kvh, int64_t q0, int64_t qn, int64_t mp, int64_t kt, int64_t n) {
     const int64_t rows = p.group * qn, Dv = p.head_dim_v;
     float* s = buffers.s;
+    if (softmax_takes_mask(p, q0, qn, kt, n)) {
+        shared_mask_values<float>(p, b, kvh, q0, qn, kt, n, buffers.key_mask);
+        if (p.mask_kind == MASK_BOOL)
+            online_softmax<float>(s, n, mp, buffers.row_max, buffers.row_sum, buffers.o, Dv, (float)p.scale, packer,
+                                  false, KeysHidden<float>{buffers.key_mask});
+        else
+            online_softmax<float>(s, n, mp, buffers.row_max, buffers.row_sum, buffers.o, Dv, 1.0f, packer, false,
+                                  KeysBiased<float>{buffers.key_mask, (float)p.scale});
+        packer.zero_tail(n, mp);
+        return;
+    }
     const bool scale_first = p.softcap > 0 || p.mask_kind != MASK_NONE; /* finish_scores scales on the way */
     finish_scores<float>(p, s, nullptr, mp, rows, n, kt, b, kvh, q0, qn, buffers.position, (float)p.scale);
     const float score_scale = scale_first ? 1.0f : (float)p.scale;

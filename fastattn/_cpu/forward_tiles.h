@@ -496,7 +496,13 @@ template <typename T> static inline void scale_row(T* row, int64_t n, T factor) 
  * the scale folds into the exponent's FMA, so an unscaled tile costs nothing more.
  * P goes to `keep(j, r, P[j], P[j + 1])`, two keys at a time (P[n] = 0 for an odd n's last pair):
  * by default back into S (StoreProbabilities); the AMX kernel packs it into its tiles instead.
- * O is O[c][rows] (c * mp + r), or with o_by_row O[r][c] (r * Dv + c: forward_block's). */
+ * O is O[c][rows] (c * mp + r), or with o_by_row O[r][c] (r * Dv + c: forward_block's).
+ * `columns(x, j)` is what the softmax reads of key j's score vector x: S as it lies by default, or
+ * S masked on the way (mask_tiles.h: KeysHidden, KeysBiased). */
+struct ScoresAsStored {
+    template <typename V> inline V operator()(V score, int64_t) const { return score; }
+};
+
 template <typename T> struct StoreProbabilities {
     T* s;
     int64_t n, mp;
@@ -511,23 +517,30 @@ template <typename T> struct StoreProbabilities {
  * vector at a time) read one vector of each 256-byte key row of S per step, and the 2-core Zen 3
  * took 7-8% longer per score on a tile of 64 rows x 128 keys (a loop of that tile alone).  Each
  * vector's maximum and sums run in the same order as with rows outside: the results are the same. */
-template <typename T, int RV, typename Keep>
+template <typename T, int RV, typename Keep, typename Columns>
 static inline void softmax_row_vectors(T* s, int64_t n, int64_t mp, int64_t r0, T* row_max, T* row_sum, T* o,
-                                       int64_t Dv, T score_scale, const Keep& keep, bool o_by_row) {
+                                       int64_t Dv, T score_scale, const Keep& keep_in, bool o_by_row,
+                                       const Columns& columns_in) {
     typedef typename Vec<T>::type V;
+    /* Local copies: P's stores could alias the callers' objects, whose fields would then be read
+     * again after every store where this function is not inlined (the masked softmax). */
+    const Keep keep = keep_in;
+    const Columns columns = columns_in;
     constexpr int L = Vec<T>::lanes;
     const T log2e = kLog2e<T>, score_log2e = score_scale * kLog2e<T>;
     const V neg_inf = vbroadcast(-std::numeric_limits<T>::infinity());
     V max0[RV], max1[RV]; /* two chains a vector: max has latency */
-    FASTATTN_UNROLL for (int u = 0; u < RV; ++u) max0[u] = max1[u] = n > 0 ? vload<V>(s + r0 + u * L) : neg_inf;
+    FASTATTN_UNROLL for (int u = 0; u < RV; ++u) max0[u] = max1[u] =
+        n > 0 ? columns(vload<V>(s + r0 + u * L), 0) : neg_inf;
     int64_t j = 1;
     for (; j + 2 <= n; j += 2)
         FASTATTN_UNROLL for (int u = 0; u < RV; ++u) {
-            max0[u] = vmax(max0[u], vload<V>(s + j * mp + r0 + u * L));
-            max1[u] = vmax(max1[u], vload<V>(s + (j + 1) * mp + r0 + u * L));
+            max0[u] = vmax(max0[u], columns(vload<V>(s + j * mp + r0 + u * L), j));
+            max1[u] = vmax(max1[u], columns(vload<V>(s + (j + 1) * mp + r0 + u * L), j + 1));
         }
     if (j < n)
-        FASTATTN_UNROLL for (int u = 0; u < RV; ++u) max0[u] = vmax(max0[u], vload<V>(s + j * mp + r0 + u * L));
+        FASTATTN_UNROLL for (int u = 0; u < RV; ++u) max0[u] =
+            vmax(max0[u], columns(vload<V>(s + j * mp + r0 + u * L), j));
     V shift[RV], alpha[RV], total0[RV], total1[RV]; /* two sums a vector: the adds would wait on each other */
     FASTATTN_UNROLL for (int u = 0; u < RV; ++u) {
         const V running = vload<V>(row_max + r0 + u * L);
@@ -540,8 +553,10 @@ static inline void softmax_row_vectors(T* s, int64_t n, int64_t mp, int64_t r0, 
     for (j = 0; j < n; j += 2)
         FASTATTN_UNROLL for (int u = 0; u < RV; ++u) {
             const int64_t r = r0 + u * L;
-            const V p0 = vexp2_softmax(vload<V>(s + j * mp + r) * score_log2e - shift[u]);
-            const V p1 = j + 1 < n ? vexp2_softmax(vload<V>(s + (j + 1) * mp + r) * score_log2e - shift[u]) : V{};
+            const V p0 = vexp2_softmax(columns(vload<V>(s + j * mp + r), j) * score_log2e - shift[u]);
+            const V p1 = j + 1 < n
+                             ? vexp2_softmax(columns(vload<V>(s + (j + 1) * mp + r), j + 1) * score_log2e - shift[u])
+                             : V{};
             keep(j, r, p0, p1);
             total0[u] += p0;
             total1[u] += p1;
@@ -562,14 +577,15 @@ static inline void softmax_row_vectors(T* s, int64_t n, int64_t mp, int64_t r0, 
     }
 }
 
-template <typename T, typename Keep>
+template <typename T, typename Keep, typename Columns = ScoresAsStored>
 static inline void online_softmax(T* s, int64_t n, int64_t mp, T* row_max, T* row_sum, T* o, int64_t Dv,
-                                  T score_scale, const Keep& keep, bool o_by_row = false) {
+                                  T score_scale, const Keep& keep, bool o_by_row = false,
+                                  const Columns& columns = Columns()) {
     constexpr int L = Vec<T>::lanes;
     int64_t r = 0;
     for (; r + 2 * L <= mp; r += 2 * L)
-        softmax_row_vectors<T, 2>(s, n, mp, r, row_max, row_sum, o, Dv, score_scale, keep, o_by_row);
-    if (r < mp) softmax_row_vectors<T, 1>(s, n, mp, r, row_max, row_sum, o, Dv, score_scale, keep, o_by_row);
+        softmax_row_vectors<T, 2>(s, n, mp, r, row_max, row_sum, o, Dv, score_scale, keep, o_by_row, columns);
+    if (r < mp) softmax_row_vectors<T, 1>(s, n, mp, r, row_max, row_sum, o, Dv, score_scale, keep, o_by_row, columns);
 }
 
 /* One vector of rows' scores of a tile, between() every kDepthChunk steps (forward_block's

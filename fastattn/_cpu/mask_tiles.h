@@ -371,6 +371,61 @@ static void mask_transposed_as(const FwdParams& p, T* s, int64_t mp, int64_t row
     }
 }
 
+/* ---- one mask row for the whole tile, taken by the softmax ------------------------------------------
+ *
+ * Where a tile's rows all read one mask row (mask_rows_shared), the mask is one value per key, and
+ * the softmax can apply it as it reads the scores (online_softmax's `columns`) instead of a pass
+ * that reads and writes the whole score tile first.  A bool mask hides its keys (-inf whatever the
+ * score, NaN included) and leaves the scale to the softmax's exponent, as an unmasked tile does; a
+ * float mask's value is added to the scaled score, as the mask pass adds it. */
+
+/* The mask values of keys kt .. kt + n - 1 of a shared mask row, as T: a bool mask's 0 / 1, a
+ * float mask's value. */
+template <typename T, typename M>
+static void shared_mask_values_as(const FwdParams& p, int64_t b, int64_t kvh, int64_t q0, int64_t qn, int64_t kt,
+                                  int64_t n, T* values) {
+    const M* row = reinterpret_cast<const M*>(p.mask) + MaskRows(p, b, kvh, q0, qn, 0).offset + kt * p.mask_stride[3];
+    for (int64_t j = 0; j < n; ++j) values[j] = mask_scalar<T>(row + j * p.mask_stride[3]);
+}
+
+template <typename T>
+static void shared_mask_values(const FwdParams& p, int64_t b, int64_t kvh, int64_t q0, int64_t qn, int64_t kt,
+                               int64_t n, T* values) {
+    switch (p.mask_kind) {
+        case MASK_BOOL: shared_mask_values_as<T, uint8_t>(p, b, kvh, q0, qn, kt, n, values); break;
+        case MASK_FLOAT32: shared_mask_values_as<T, float>(p, b, kvh, q0, qn, kt, n, values); break;
+        case MASK_FLOAT64: shared_mask_values_as<T, double>(p, b, kvh, q0, qn, kt, n, values); break;
+        case MASK_FLOAT16: shared_mask_values_as<T, half_bits>(p, b, kvh, q0, qn, kt, n, values); break;
+        case MASK_BFLOAT16: shared_mask_values_as<T, bfloat16_bits>(p, b, kvh, q0, qn, kt, n, values); break;
+        default: break;
+    }
+}
+
+/* Key j's score vector, -inf where a bool mask hides the key (values 0 / 1; the softmax scales). */
+template <typename T> struct KeysHidden {
+    const T* values;
+    inline typename Vec<T>::type operator()(typename Vec<T>::type score, int64_t j) const {
+#if defined(__AVX512F__)
+        /* one blend on a mask register: the generic bitwise select took two instructions a vector,
+         * and the bool-masked softmax 22% longer than a float-masked one (perf, C1 bfloat16) */
+        if constexpr (std::is_same<T, float>::value)
+            return (typename Vec<T>::type)_mm512_mask_blend_ps(
+                values[j] != 0.0f ? (__mmask16)0xffff : (__mmask16)0,
+                _mm512_set1_ps(-std::numeric_limits<float>::infinity()), (__m512)score);
+#endif
+        return masked<T, uint8_t>(score, vbroadcast(values[j]));
+    }
+};
+
+/* Key j's score vector scaled, plus a float mask's value (the softmax then takes scale 1). */
+template <typename T> struct KeysBiased {
+    const T* values;
+    T scale;
+    inline typename Vec<T>::type operator()(typename Vec<T>::type score, int64_t j) const {
+        return masked<T, float>(score * vbroadcast(scale), vbroadcast(values[j]));
+    }
+};
+
 /* Apply the mask to a transposed score tile S[j][rows] (n keys from kt; row r is head
  * kvh * G + r / qn, query q0 + r % qn; mp padded rows, a multiple of L), each score multiplied by
  * `scale` first (the kernels whose products leave the scores unscaled fold that pass in here). */
