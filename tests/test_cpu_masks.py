@@ -110,10 +110,12 @@ def _oracle_mask(mask: np.ndarray) -> np.ndarray:
     return mask if mask.dtype == np.bool_ else mask.astype(np.float64)
 
 
-def check_against_oracle(mask_name: str, dtype: Any, seq_q: int, seq_k: int, causal: Any = False) -> None:
+def check_against_oracle(
+    mask_name: str, dtype: Any, seq_q: int, seq_k: int, causal: Any = False, head_dim: int = D
+) -> None:
     rng = np.random.default_rng()
-    q, dout = (rng.standard_normal((B, HQ, seq_q, D)).astype(dtype) for _ in range(2))
-    k, v = (rng.standard_normal((B, HKV, seq_k, D)).astype(dtype) for _ in range(2))
+    q, dout = (rng.standard_normal((B, HQ, seq_q, head_dim)).astype(dtype) for _ in range(2))
+    k, v = (rng.standard_normal((B, HKV, seq_k, head_dim)).astype(dtype) for _ in range(2))
     mask = MASKS[mask_name](rng, seq_q, seq_k)
     call = {"mask": mask, "causal": causal, "backend": "cpu"}
     out, lse = fastattn.attention(q, k, v, return_lse=True, **call)
@@ -156,6 +158,21 @@ def test_masks_on_the_decode_path(mask_name: str, seq_q: int) -> None:
 def test_masks_at_every_level(name: str, mask_name: str, restore_level: None) -> None:
     isa.select(name)
     check_against_oracle(mask_name, np.float32, seq_q=37, seq_k=150, causal=True)
+
+
+@pytest.mark.parametrize("name", isa.runnable())
+@pytest.mark.parametrize("mask_name", ["bool-full", "bool-keys", "bfloat16-heads"])
+@pytest.mark.parametrize("dtype", [ml_dtypes.bfloat16, np.float16])
+@pytest.mark.parametrize("causal", [False, "bottom_right"])
+def test_masks_on_the_half_precision_kernels(
+    name: str, mask_name: str, dtype: Any, causal: Any, restore_level: None
+) -> None:
+    """Head dim 64, where the half-precision forwards run on bfloat16 units (AMX, ``vdpbf16ps``) and
+    their softmax takes a bool mask as bits and a (B,1,1,Sk) mask per key: 140 rows a kv head (four
+    row vectors and a padded one), 300 keys (a whole tile, then 2 blocks of 16 and a 12-key tail);
+    causal, every tile has an edge and takes the mask pass instead."""
+    isa.select(name)
+    check_against_oracle(mask_name, dtype, seq_q=70, seq_k=300, causal=causal, head_dim=64)
 
 
 def _problem_of(mask: np.ndarray, lengths: np.ndarray | None = None) -> Any:

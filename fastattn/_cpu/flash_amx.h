@@ -225,13 +225,25 @@ static void tile_scores_as(const uint16_t* k, int64_t k_stride, int64_t n, const
 
 /* S^T[j][rows] for the tile's n keys (rounded up to 16; the padded keys' scores are never read).
  * k_lo > 0: float16 inputs' parts, K's rows [hi (D) | lo (D)] (k_lo = D), Q's lo packing q_lo
- * elements after its hi. */
+ * elements after its hi.  between() before each step of 32 dims of each block (tile_scores_steps
+ * of them). */
+template <typename Between>
+static void tile_scores(const uint16_t* k, int64_t k_stride, int64_t n, const uint16_t* qb, int64_t D, float* s,
+                        int64_t mp, uint16_t* k_block, int64_t k_lo, int64_t q_lo, Between&& between) {
+    if (k_lo)
+        tile_scores_as<true>(k, k_stride, n, qb, D, s, mp, k_block, k_lo, q_lo, between);
+    else
+        tile_scores_as<false>(k, k_stride, n, qb, D, s, mp, k_block, 0, 0, between);
+}
+
 static void tile_scores(const uint16_t* k, int64_t k_stride, int64_t n, const uint16_t* qb, int64_t D, float* s,
                         int64_t mp, uint16_t* k_block, int64_t k_lo = 0, int64_t q_lo = 0) {
-    if (k_lo)
-        tile_scores_as<true>(k, k_stride, n, qb, D, s, mp, k_block, k_lo, q_lo, [] {});
-    else
-        tile_scores_as<false>(k, k_stride, n, qb, D, s, mp, k_block, 0, 0, [] {});
+    tile_scores(k, k_stride, n, qb, D, s, mp, k_block, k_lo, q_lo, [] {});
+}
+
+/* How many times tile_scores calls between(): a step of 32 dims per block of up to 2 x 2 tiles. */
+static inline int64_t tile_scores_steps(int64_t n, int64_t mp, int64_t D) {
+    return std::max<int64_t>(1, ((n + 15) / 16 + 1) / 2 * ((mp / 16 + 1) / 2) * (D / 32));
 }
 
 /* One 2 x 2 (or smaller) block of O^T: column blocks cb (and cb + 1), row tiles rt (and rt + 1);
@@ -501,8 +513,19 @@ static void forward_block_amx(const FwdParams& p, char* scratch, int64_t b, int6
         } else {
             pack_values_transposed(v, p.v_stride[2], n, Dv, buffers.vt);
         }
-        tile_scores(k, split ? 2 * D : p.k_stride[2], n, buffers.qb, D, s, mp, buffers.k_block, split ? D : 0,
-                    split ? mp * D : 0);
+        /* The lines of a bool mask whose rows differ go to the prefetcher a few at a time during the
+         * tile's scores, before full_mask_bits reads them: B1 H8 S4096 D128 causal, bfloat16, 10%
+         * hidden, 12% faster (4 processes alternated).  A float mask's pass ran 2% slower with them. */
+        MaskPrefetch mask_lines(p, b, kvh, q0, qn, rows, kt, p.mask_kind == MASK_BOOL ? n : 0);
+        if (mask_lines.total_lines() > 0) {
+            const int64_t per_step = (mask_lines.total_lines() + tile_scores_steps(n, mp, D) - 1) /
+                                     tile_scores_steps(n, mp, D);
+            tile_scores(k, split ? 2 * D : p.k_stride[2], n, buffers.qb, D, s, mp, buffers.k_block, split ? D : 0,
+                        split ? mp * D : 0, [&] { mask_lines.issue<2>(per_step); });
+        } else {
+            tile_scores(k, split ? 2 * D : p.k_stride[2], n, buffers.qb, D, s, mp, buffers.k_block, split ? D : 0,
+                        split ? mp * D : 0);
+        }
         scores_to_pairs(p, buffers, packer, b, kvh, q0, qn, mp, kt, n);
         tile_output(vt, steps, buffers.pb, N, (n + 31) / 32, Dv, o, mp, split ? N * Dv : 0, split ? N * mp : 0);
     }

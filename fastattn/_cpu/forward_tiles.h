@@ -497,10 +497,10 @@ template <typename T> static inline void scale_row(T* row, int64_t n, T factor) 
  * P goes to `keep(j, r, P[j], P[j + 1])`, two keys at a time (P[n] = 0 for an odd n's last pair):
  * by default back into S (StoreProbabilities); the AMX kernel packs it into its tiles instead.
  * O is O[c][rows] (c * mp + r), or with o_by_row O[r][c] (r * Dv + c: forward_block's).
- * `columns(x, j)` is what the softmax reads of key j's score vector x: S as it lies by default, or
- * S masked on the way (mask_tiles.h: KeysHidden, KeysBiased). */
+ * `columns(x, j, r)` is what the softmax reads of key j's score vector x (rows r .. r + L - 1): S as
+ * it lies by default, or S masked on the way (mask_tiles.h: KeysHidden, KeysBiased, RowsHidden). */
 struct ScoresAsStored {
-    template <typename V> inline V operator()(V score, int64_t) const { return score; }
+    template <typename V> inline V operator()(V score, int64_t, int64_t) const { return score; }
 };
 
 template <typename T> struct StoreProbabilities {
@@ -531,16 +531,16 @@ static inline void softmax_row_vectors(T* s, int64_t n, int64_t mp, int64_t r0, 
     const V neg_inf = vbroadcast(-std::numeric_limits<T>::infinity());
     V max0[RV], max1[RV]; /* two chains a vector: max has latency */
     FASTATTN_UNROLL for (int u = 0; u < RV; ++u) max0[u] = max1[u] =
-        n > 0 ? columns(vload<V>(s + r0 + u * L), 0) : neg_inf;
+        n > 0 ? columns(vload<V>(s + r0 + u * L), 0, r0 + u * L) : neg_inf;
     int64_t j = 1;
     for (; j + 2 <= n; j += 2)
         FASTATTN_UNROLL for (int u = 0; u < RV; ++u) {
-            max0[u] = vmax(max0[u], columns(vload<V>(s + j * mp + r0 + u * L), j));
-            max1[u] = vmax(max1[u], columns(vload<V>(s + (j + 1) * mp + r0 + u * L), j + 1));
+            max0[u] = vmax(max0[u], columns(vload<V>(s + j * mp + r0 + u * L), j, r0 + u * L));
+            max1[u] = vmax(max1[u], columns(vload<V>(s + (j + 1) * mp + r0 + u * L), j + 1, r0 + u * L));
         }
     if (j < n)
         FASTATTN_UNROLL for (int u = 0; u < RV; ++u) max0[u] =
-            vmax(max0[u], columns(vload<V>(s + j * mp + r0 + u * L), j));
+            vmax(max0[u], columns(vload<V>(s + j * mp + r0 + u * L), j, r0 + u * L));
     V shift[RV], alpha[RV], total0[RV], total1[RV]; /* two sums a vector: the adds would wait on each other */
     FASTATTN_UNROLL for (int u = 0; u < RV; ++u) {
         const V running = vload<V>(row_max + r0 + u * L);
@@ -553,9 +553,9 @@ static inline void softmax_row_vectors(T* s, int64_t n, int64_t mp, int64_t r0, 
     for (j = 0; j < n; j += 2)
         FASTATTN_UNROLL for (int u = 0; u < RV; ++u) {
             const int64_t r = r0 + u * L;
-            const V p0 = vexp2_softmax(columns(vload<V>(s + j * mp + r), j) * score_log2e - shift[u]);
+            const V p0 = vexp2_softmax(columns(vload<V>(s + j * mp + r), j, r) * score_log2e - shift[u]);
             const V p1 = j + 1 < n
-                             ? vexp2_softmax(columns(vload<V>(s + (j + 1) * mp + r), j + 1) * score_log2e - shift[u])
+                             ? vexp2_softmax(columns(vload<V>(s + (j + 1) * mp + r), j + 1, r) * score_log2e - shift[u])
                              : V{};
             keep(j, r, p0, p1);
             total0[u] += p0;

@@ -12,10 +12,12 @@
  *    through 128-bit loads of four rows into one register and in-lane unpacks
  *    (load_transposed_floats), a bfloat16 mask over float scores (AVX-512) as 16-bit words before
  *    it is widened (transpose_bfloat16_block), a bool mask (AVX-512BW) as one 16-bit row mask per
- *    key for a masked multiply (hide_bool_block), other kinds as L vector loads transposed in
- *    registers (log2 L rounds of L two-input shuffles).  Key tails, and masks whose key axis is
- *    not contiguous, read element by element.  Kernels whose products leave the scores unscaled
- *    scale them in the same pass (one pass over the tile instead of two).
+ *    key for a masked multiply (hide_bool_block) or, in the half-precision forwards without an edge
+ *    on the tile, kept as those bits for the softmax to read (full_mask_bits, RowsHidden), other
+ *    kinds as L vector loads transposed in registers (log2 L rounds of L two-input shuffles).  Key
+ *    tails, and masks whose key axis is not contiguous, read element by element.  Kernels whose
+ *    products leave the scores unscaled scale them in the same pass (one pass over the tile
+ *    instead of two).
  *  - row-major, S[r][j] (DotKernel, the decode path): a mask row is contiguous along the
  *    keys, so it is read L keys per vector load.
  *
@@ -226,16 +228,17 @@ static inline void transpose_bfloat16_block(const uint16_t* const* rows, __m512*
 
 /* ---- a 16 x 16 bool block as one row mask per key --------------------------------------------------
  *
- * Scores s[t * mp + u] (16 keys t, 16 rows u) multiplied by `factor`, or -inf where row u's bool
- * byte for key j0 + t is 0.  The bytes are not widened to floats: lane l of register g holds row
- * g + 4l's 16 bytes (one load and three inserts from memory), two rounds of in-lane unpacks (bytes,
- * then words) leave lane l of register c with rows 4l..4l+3 of keys 4c..4c+3, a dword per key, and
- * one dword permute per register gathers each key's 16 rows into one lane; a byte test turns the
- * register into 64 mask bits, 16 per key, and each key is one masked multiply.  12 shuffles and 4
- * tests for 256 scores, where widening (32 conversions), a float transpose (64 shuffles) and a
- * compare and blend per key took 160 instructions. */
+ * bool_block_bits: bits 16 m .. 16 m + 15 of visible[c] say which of rows row[0..15] see key
+ * j0 + 4 c + m.  The bytes are not widened to floats: lane l of register g holds row g + 4l's 16
+ * bytes (one load and three inserts from memory), two rounds of in-lane unpacks (bytes, then words)
+ * leave lane l of register c with rows 4l..4l+3 of keys 4c..4c+3, a dword per key, one dword permute
+ * per register gathers each key's 16 rows into one lane, and a byte test turns the register into
+ * 64 mask bits, 16 per key.  12 shuffles and 4 tests for 256 mask bytes.
+ * hide_bool_block: scores s[t * mp + u] (16 keys t, 16 rows u) multiplied by `factor`, or -inf
+ * where row u does not see key j0 + t, one masked multiply a key, where widening (32 conversions), a
+ * float transpose (64 shuffles) and a compare and blend per key took 160 instructions. */
 #if defined(__AVX512BW__)
-static inline void hide_bool_block(const uint8_t* const* row, int64_t j0, float* s, int64_t mp, __m512 factor) {
+static inline void bool_block_bits(const uint8_t* const* row, int64_t j0, uint64_t* visible) {
     __m512i z[4];
     for (int g = 0; g < 4; ++g) z[g] = four_lanes(row[g] + j0, row[g + 4] + j0, row[g + 8] + j0, row[g + 12] + j0);
     const __m512i low01 = _mm512_unpacklo_epi8(z[0], z[1]), high01 = _mm512_unpackhi_epi8(z[0], z[1]);
@@ -243,16 +246,22 @@ static inline void hide_bool_block(const uint8_t* const* row, int64_t j0, float*
     const __m512i keys[4] = {_mm512_unpacklo_epi16(low01, low23), _mm512_unpackhi_epi16(low01, low23),
                              _mm512_unpacklo_epi16(high01, high23), _mm512_unpackhi_epi16(high01, high23)};
     const __m512i by_key = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-    const __m512 minus_infinity = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
     for (int c = 0; c < 4; ++c) {
         const __m512i rows_by_key = _mm512_permutexvar_epi32(by_key, keys[c]);
-        const uint64_t visible = _mm512_test_epi8_mask(rows_by_key, rows_by_key);
+        visible[c] = _mm512_test_epi8_mask(rows_by_key, rows_by_key);
+    }
+}
+
+static inline void hide_bool_block(const uint8_t* const* row, int64_t j0, float* s, int64_t mp, __m512 factor) {
+    uint64_t visible[4];
+    bool_block_bits(row, j0, visible);
+    const __m512 minus_infinity = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int c = 0; c < 4; ++c)
         for (int m = 0; m < 4; ++m) {
             float* scores = s + (4 * c + m) * mp;
-            _mm512_storeu_ps(scores, _mm512_mask_mul_ps(minus_infinity, (__mmask16)(visible >> (16 * m)),
+            _mm512_storeu_ps(scores, _mm512_mask_mul_ps(minus_infinity, (__mmask16)(visible[c] >> (16 * m)),
                                                         _mm512_loadu_ps(scores), factor));
         }
-    }
 }
 #endif
 
@@ -401,10 +410,11 @@ static void shared_mask_values(const FwdParams& p, int64_t b, int64_t kvh, int64
     }
 }
 
-/* Key j's score vector, -inf where a bool mask hides the key (values 0 / 1; the softmax scales). */
+/* Key j's score vector (rows from r), -inf where a bool mask hides the key (values 0 / 1; the
+ * softmax scales). */
 template <typename T> struct KeysHidden {
     const T* values;
-    inline typename Vec<T>::type operator()(typename Vec<T>::type score, int64_t j) const {
+    inline typename Vec<T>::type operator()(typename Vec<T>::type score, int64_t j, int64_t) const {
 #if defined(__AVX512F__)
         /* one blend on a mask register: the generic bitwise select took two instructions a vector,
          * and the bool-masked softmax 22% longer than a float-masked one (perf, C1 bfloat16) */
@@ -421,10 +431,51 @@ template <typename T> struct KeysHidden {
 template <typename T> struct KeysBiased {
     const T* values;
     T scale;
-    inline typename Vec<T>::type operator()(typename Vec<T>::type score, int64_t j) const {
+    inline typename Vec<T>::type operator()(typename Vec<T>::type score, int64_t j, int64_t) const {
         return masked<T, float>(score * vbroadcast(scale), vbroadcast(values[j]));
     }
 };
+
+/* ---- a bool mask whose rows differ, taken by the softmax as bits --------------------------------------
+ *
+ * A full (B,Hq,Sq,Sk) bool mask, its keys contiguous, becomes one 16-bit row mask per key and
+ * vector of 16 rows (bool_block_bits), bits[(r / 16) * n + j] for row r and key j of the tile:
+ * n * mp / 8 bytes that the softmax reads as it reads the scores (RowsHidden), where the mask pass
+ * read and wrote the whole score tile (n * mp floats) once more.  Rows past the tile's own (the
+ * padding up to mp) read row 0's mask: their outputs are never written. */
+#if defined(__AVX512BW__)
+static void full_mask_bits(const FwdParams& p, int64_t b, int64_t kvh, int64_t q0, int64_t qn, int64_t rows,
+                           int64_t mp, int64_t kt, int64_t n, uint16_t* bits) {
+    const uint8_t* mask = reinterpret_cast<const uint8_t*>(p.mask);
+    MaskRows cursor(p, b, kvh, q0, qn, 0);
+    for (int64_t r0 = 0; r0 < mp; r0 += 16) {
+        const uint8_t* row[16];
+        for (int u = 0; u < 16; ++u, cursor.next()) row[u] = r0 + u < rows ? mask + cursor.offset + kt : row[0];
+        uint16_t* out = bits + (r0 / 16) * n;
+        int64_t j0 = 0;
+        for (; j0 + 16 <= n; j0 += 16) {
+            uint64_t visible[4];
+            bool_block_bits(row, j0, visible);
+            std::memcpy(out + j0, visible, sizeof(visible));
+        }
+        for (int64_t j = j0; j < n; ++j) {
+            unsigned word = 0;
+            for (int u = 0; u < 16; ++u) word |= (row[u][j] != 0 ? 1u : 0u) << u;
+            out[j] = (uint16_t)word;
+        }
+    }
+}
+
+/* Key j's scores of rows r .. r + 15, -inf where bits (full_mask_bits) hide them. */
+struct RowsHidden {
+    const uint16_t* bits;
+    int64_t n;
+    inline Vec<float>::type operator()(Vec<float>::type score, int64_t j, int64_t r) const {
+        return (Vec<float>::type)_mm512_mask_mov_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()),
+                                                    (__mmask16)bits[(r >> 4) * n + j], (__m512)score);
+    }
+};
+#endif
 
 /* Apply the mask to a transposed score tile S[j][rows] (n keys from kt; row r is head
  * kvh * G + r / qn, query q0 + r % qn; mp padded rows, a multiple of L), each score multiplied by
@@ -514,9 +565,12 @@ struct MaskPrefetch {
     /* At most this many lines (a run need not start on a line): what the kernels spread. */
     int64_t total_lines() const { return rows * ((bytes + 63) / 64 + 1); }
 
-    __attribute__((always_inline)) inline void issue(int64_t count) {
+    /* Locality: __builtin_prefetch's, 3 (every level, prefetcht0) by default; the AMX forward takes 2
+     * (L2 and out, prefetcht1): a bool (B,H,Sq,Sk) tile prefetched that way ran 1-3% faster than
+     * into L1, where a tile's lines (32 KiB) would crowd out its operands. */
+    template <int Locality = 3> __attribute__((always_inline)) inline void issue(int64_t count) {
         while (count > 0 && row < rows) {
-            for (; count > 0 && line < end; --count, line += 64) __builtin_prefetch(line);
+            for (; count > 0 && line < end; --count, line += 64) __builtin_prefetch(line, 0, Locality);
             if (line >= end && ++row < rows) {
                 cursor.next();
                 start_row();
