@@ -50,7 +50,7 @@ static inline int64_t align64(int64_t bytes) { return (bytes + 63) / 64 * 64; }
  * items split them. */
 struct PairBuffers {
     float *s, *o, *row_max, *row_sum, *position, *key_mask;
-    uint16_t *visible_bits, *qb, *pb, *vt, *k_block, *kv_parts;
+    uint16_t *mask_rows, *qb, *pb, *vt, *k_block, *kv_parts;
 
     static int64_t bytes(const FwdParams& p) { return PairBuffers().carve(p, nullptr); }
 
@@ -65,14 +65,14 @@ struct PairBuffers {
                                  4 * mp,
                                  4 * mp,
                                  4 * N,
-                                 2 * N * (mp / 16),
+                                 2 * N * mp,
                                  2 * parts * mp * D,
                                  2 * N * std::max<int64_t>(parts * mp, 64),
                                  2 * parts * Dv * N,
                                  2 * parts * 16 * D,
                                  parts > 1 ? 2 * N * 2 * std::max(D, Dv) : 0};
         void** slots[] = {(void**)&s,        (void**)&o,        (void**)&row_max,      (void**)&row_sum,
-                          (void**)&position, (void**)&key_mask, (void**)&visible_bits, (void**)&qb,
+                          (void**)&position, (void**)&key_mask, (void**)&mask_rows,    (void**)&qb,
                           (void**)&pb,       (void**)&vt,       (void**)&k_block,      (void**)&kv_parts};
         static_assert(sizeof(sizes) / sizeof(sizes[0]) == sizeof(slots) / sizeof(slots[0]), "one size a slot");
         int64_t offset = 0;
@@ -360,13 +360,16 @@ static int64_t start_pairs_item(const FwdParams& p, const PairBuffers& buffers, 
 
 /* Whether a tile's mask goes to the softmax as it reads the scores rather than through a pass over
  * the tile: one mask row for all its rows (mask_rows_shared; mask_tiles.h: KeysHidden, KeysBiased),
- * or a bool mask whose keys lie contiguous, as bits (full_mask_bits, RowsHidden).  No softcap (which
+ * or a bool or bfloat16 mask whose keys lie contiguous, in mask_rows as bits (full_mask_bits,
+ * RowsHidden) or transposed words (full_mask_words, RowsBiased).  No softcap (which
  * comes before the mask), no dropout (whose P returns to S) and no causal/window edge on the tile
  * (which hides keys after the mask).  On the 2-core Xeon model 167 (AMX) the pass cost the bfloat16
  * forward 11-20% with a (B,1,1,Sk) mask and 26-32% with a (B,H,Sq,Sk) bool one (benchmarks/README). */
 static bool softmax_takes_mask(const FwdParams& p, int64_t q0, int64_t qn, int64_t kt, int64_t n) {
     return p.mask_kind != MASK_NONE &&
-           (mask_rows_shared(p) || (p.mask_kind == MASK_BOOL && p.mask_stride[3] == 1)) && p.softcap == 0 &&
+           (mask_rows_shared(p) ||
+            ((p.mask_kind == MASK_BOOL || p.mask_kind == MASK_BFLOAT16) && p.mask_stride[3] == 1)) &&
+           p.softcap == 0 &&
            p.dropout_p == 0 && !Band(p).edges(kt, n, q0 + p.offset, q0 + qn - 1 + p.offset).any();
 }
 
@@ -379,10 +382,14 @@ static void scores_to_pairs(const FwdParams& p, const PairBuffers& buffers, cons
     const int64_t rows = p.group * qn, Dv = p.head_dim_v;
     float* s = buffers.s;
     if (softmax_takes_mask(p, q0, qn, kt, n)) {
-        if (!mask_rows_shared(p)) {
-            full_mask_bits(p, b, kvh, q0, qn, rows, mp, kt, n, buffers.visible_bits);
+        if (!mask_rows_shared(p) && p.mask_kind == MASK_BOOL) {
+            full_mask_bits(p, b, kvh, q0, qn, rows, mp, kt, n, buffers.mask_rows);
             online_softmax<float>(s, n, mp, buffers.row_max, buffers.row_sum, buffers.o, Dv, (float)p.scale, packer,
-                                  false, RowsHidden{buffers.visible_bits, n});
+                                  false, RowsHidden{buffers.mask_rows, n});
+        } else if (!mask_rows_shared(p)) {
+            full_mask_words(p, b, kvh, q0, qn, rows, mp, kt, n, buffers.mask_rows);
+            online_softmax<float>(s, n, mp, buffers.row_max, buffers.row_sum, buffers.o, Dv, 1.0f, packer, false,
+                                  RowsBiased{buffers.mask_rows, (n + 1) / 2, (float)p.scale});
         } else {
             shared_mask_values<float>(p, b, kvh, q0, qn, kt, n, buffers.key_mask);
             if (p.mask_kind == MASK_BOOL)

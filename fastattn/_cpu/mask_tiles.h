@@ -192,9 +192,12 @@ static inline void load_transposed_floats(const float* const* row, int64_t j0, _
  * in-lane unpacks (epi16, epi32) leave every 128-bit lane holding 4 rows x 2 keys, one two-source
  * qword permute per pair of keys puts the row groups in order, and the widening itself is an
  * unpack with zero (a bfloat16 is a float's high half) that leaves each key's 16 rows in lane order:
- * 56 instructions where widening first (32) and transposing floats (64) took 112. */
+ * 56 instructions where widening first (32) and transposing floats (64) took 112.
+ * transpose_word_pairs stops before the widening: key_pairs[i] holds keys 2i and 2i + 1, in each
+ * 128-bit lane l the words of rows 4l..4l+3 for key 2i, then for key 2i + 1 (widen_first_key,
+ * widen_second_key). */
 #if defined(__AVX512BW__)
-static inline void transpose_bfloat16_block(const uint16_t* const* rows, __m512* out) {
+static inline void transpose_word_pairs(const uint16_t* const* rows, __m512i* key_pairs) {
     __m512i pairs[8]; /* rows u and u + 8 */
     for (int u = 0; u < 8; ++u)
         pairs[u] = _mm512_inserti64x4(
@@ -214,14 +217,26 @@ static inline void transpose_bfloat16_block(const uint16_t* const* rows, __m512*
     }
     const __m512i first = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13);
     const __m512i second = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
-    const __m512i zero = _mm512_setzero_si512();
     for (int i = 0; i < 4; ++i) {
-        const __m512i low = _mm512_permutex2var_epi64(keys[0][i], first, keys[1][i]);   /* keys 2i, 2i+1 */
-        const __m512i high = _mm512_permutex2var_epi64(keys[0][i], second, keys[1][i]); /* keys 8+2i, 9+2i */
-        out[2 * i] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, low));
-        out[2 * i + 1] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, low));
-        out[8 + 2 * i] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, high));
-        out[9 + 2 * i] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, high));
+        key_pairs[i] = _mm512_permutex2var_epi64(keys[0][i], first, keys[1][i]);      /* keys 2i, 2i+1 */
+        key_pairs[4 + i] = _mm512_permutex2var_epi64(keys[0][i], second, keys[1][i]); /* keys 8+2i, 9+2i */
+    }
+}
+
+/* A pair of keys' 16-bit words (transpose_word_pairs) as the first key's 16 floats, or the second's. */
+static inline __m512 widen_first_key(__m512i key_pair) {
+    return _mm512_castsi512_ps(_mm512_unpacklo_epi16(_mm512_setzero_si512(), key_pair));
+}
+static inline __m512 widen_second_key(__m512i key_pair) {
+    return _mm512_castsi512_ps(_mm512_unpackhi_epi16(_mm512_setzero_si512(), key_pair));
+}
+
+static inline void transpose_bfloat16_block(const uint16_t* const* rows, __m512* out) {
+    __m512i key_pairs[8];
+    transpose_word_pairs(rows, key_pairs);
+    for (int i = 0; i < 8; ++i) {
+        out[2 * i] = widen_first_key(key_pairs[i]);
+        out[2 * i + 1] = widen_second_key(key_pairs[i]);
     }
 }
 #endif
@@ -473,6 +488,51 @@ struct RowsHidden {
     inline Vec<float>::type operator()(Vec<float>::type score, int64_t j, int64_t r) const {
         return (Vec<float>::type)_mm512_mask_mov_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()),
                                                     (__mmask16)bits[(r >> 4) * n + j], (__m512)score);
+    }
+};
+
+/* A full bfloat16 mask, its keys contiguous, as the words transpose_word_pairs leaves for each
+ * vector of 16 rows and pair of keys: 64 bytes at words + ((r / 16) * pairs + j / 2) * 32 (pairs:
+ * (n + 1) / 2), n * mp * 2 bytes in all, half the score tile, which the softmax widens as it reads
+ * the scores, one unpack a key (RowsBiased), where the mask pass read and wrote the whole score tile
+ * once more.  Rows past the tile's own read zeros. */
+static void full_mask_words(const FwdParams& p, int64_t b, int64_t kvh, int64_t q0, int64_t qn, int64_t rows,
+                            int64_t mp, int64_t kt, int64_t n, uint16_t* words) {
+    const uint16_t* mask = reinterpret_cast<const uint16_t*>(p.mask);
+    const int64_t pairs = (n + 1) / 2;
+    MaskRows cursor(p, b, kvh, q0, qn, 0);
+    for (int64_t r0 = 0; r0 < mp; r0 += 16) {
+        const uint16_t* row[16];
+        bool all_rows = true;
+        for (int u = 0; u < 16; ++u, cursor.next()) {
+            row[u] = r0 + u < rows ? mask + cursor.offset + kt : nullptr;
+            all_rows &= row[u] != nullptr;
+        }
+        uint16_t* out = words + (r0 / 16) * pairs * 32;
+        int64_t j0 = 0;
+        for (; all_rows && j0 + 16 <= n; j0 += 16) {
+            const uint16_t* block[16];
+            for (int u = 0; u < 16; ++u) block[u] = row[u] + j0;
+            __m512i key_pairs[8];
+            transpose_word_pairs(block, key_pairs);
+            for (int i = 0; i < 8; ++i) _mm512_storeu_si512(out + (j0 / 2 + i) * 32, key_pairs[i]);
+        }
+        for (int64_t j = j0; j < n; ++j)
+            for (int u = 0; u < 16; ++u)
+                out[(j / 2) * 32 + (u / 4) * 8 + (j % 2) * 4 + u % 4] = row[u] ? row[u][j] : uint16_t(0);
+    }
+}
+
+/* Key j's scores of rows r .. r + 15 scaled, plus their bfloat16 mask values (full_mask_words; the
+ * softmax then takes scale 1). */
+struct RowsBiased {
+    const uint16_t* words;
+    int64_t pairs;
+    float scale;
+    inline Vec<float>::type operator()(Vec<float>::type score, int64_t j, int64_t r) const {
+        const __m512i pair = _mm512_loadu_si512(words + ((r >> 4) * pairs + (j >> 1)) * 32);
+        const __m512 value = (j & 1) ? widen_second_key(pair) : widen_first_key(pair);
+        return masked<float, float>(score * vbroadcast(scale), (Vec<float>::type)value);
     }
 };
 #endif
