@@ -361,16 +361,36 @@ static int64_t start_pairs_item(const FwdParams& p, const PairBuffers& buffers, 
 /* Whether a tile's mask goes to the softmax as it reads the scores rather than through a pass over
  * the tile: one mask row for all its rows (mask_rows_shared; mask_tiles.h: KeysHidden, KeysBiased),
  * or a bool or bfloat16 mask whose keys lie contiguous, in mask_rows as bits (full_mask_bits,
- * RowsHidden) or transposed words (full_mask_words, RowsBiased).  No softcap (which
- * comes before the mask), no dropout (whose P returns to S) and no causal/window edge on the tile
- * (which hides keys after the mask).  On the 2-core Xeon model 167 (AMX) the pass cost the bfloat16
- * forward 11-20% with a (B,1,1,Sk) mask and 26-32% with a (B,H,Sq,Sk) bool one (benchmarks/README). */
+ * RowsHidden) or transposed words (full_mask_words, RowsBiased).  No softcap (which comes before
+ * the mask) and no dropout (whose P returns to S).  A causal/window edge on the tile hides keys
+ * after the mask: bool masks fold it into their bits (hide_band_bits), the others keep the pass
+ * there.  On the 2-core Xeon model 167 (AMX) the pass cost the bfloat16 forward 11-20% with a
+ * (B,1,1,Sk) mask and 26-32% with a (B,H,Sq,Sk) bool one (benchmarks/README). */
 static bool softmax_takes_mask(const FwdParams& p, int64_t q0, int64_t qn, int64_t kt, int64_t n) {
-    return p.mask_kind != MASK_NONE &&
-           (mask_rows_shared(p) ||
-            ((p.mask_kind == MASK_BOOL || p.mask_kind == MASK_BFLOAT16) && p.mask_stride[3] == 1)) &&
-           p.softcap == 0 &&
-           p.dropout_p == 0 && !Band(p).edges(kt, n, q0 + p.offset, q0 + qn - 1 + p.offset).any();
+    if (p.mask_kind == MASK_NONE || p.softcap > 0 || p.dropout_p > 0) return false;
+    if (p.mask_kind == MASK_BOOL && p.mask_stride[3] == 1) return true;
+    return !Band(p).edges(kt, n, q0 + p.offset, q0 + qn - 1 + p.offset).any() &&
+           (mask_rows_shared(p) || (p.mask_kind == MASK_BFLOAT16 && p.mask_stride[3] == 1));
+}
+
+/* Clear the bits (full_mask_bits' layout, n keys from kt) of the keys the causal/window band hides
+ * from each row (position: the rows' query positions; edges: the sides that cut this tile), with
+ * finish_scores' comparisons. */
+static void hide_band_bits(const Band& band, BandEdges edges, const float* position, int64_t mp, int64_t kt,
+                           int64_t n, uint16_t* bits) {
+    const __m512 left = _mm512_set1_ps((float)band.left), right = _mm512_set1_ps((float)band.right);
+    for (int64_t r0 = 0; r0 < mp; r0 += 16) {
+        const __m512 pos = _mm512_loadu_ps(position + r0);
+        const __m512 first = _mm512_sub_ps(pos, left), last = _mm512_add_ps(pos, right);
+        uint16_t* row_bits = bits + (r0 / 16) * n;
+        for (int64_t j = 0; j < n; ++j) {
+            const __m512 key = _mm512_set1_ps((float)(kt + j));
+            __mmask16 visible = 0xffff;
+            if (edges.left) visible &= _mm512_cmp_ps_mask(key, first, _CMP_GE_OQ);
+            if (edges.right) visible &= _mm512_cmp_ps_mask(key, last, _CMP_LE_OQ);
+            row_bits[j] &= visible;
+        }
+    }
 }
 
 /* One key tile's S^T (n keys from kt, unscaled, in buffers.s) to P in column pairs (packer), the
@@ -382,8 +402,11 @@ static void scores_to_pairs(const FwdParams& p, const PairBuffers& buffers, cons
     const int64_t rows = p.group * qn, Dv = p.head_dim_v;
     float* s = buffers.s;
     if (softmax_takes_mask(p, q0, qn, kt, n)) {
-        if (!mask_rows_shared(p) && p.mask_kind == MASK_BOOL) {
+        const Band band(p);
+        const BandEdges edges = band.edges(kt, n, q0 + p.offset, q0 + qn - 1 + p.offset);
+        if (p.mask_kind == MASK_BOOL && (!mask_rows_shared(p) || edges.any())) {
             full_mask_bits(p, b, kvh, q0, qn, rows, mp, kt, n, buffers.mask_rows);
+            if (edges.any()) hide_band_bits(band, edges, buffers.position, mp, kt, n, buffers.mask_rows);
             online_softmax<float>(s, n, mp, buffers.row_max, buffers.row_sum, buffers.o, Dv, (float)p.scale, packer,
                                   false, RowsHidden{buffers.mask_rows, n});
         } else if (!mask_rows_shared(p)) {
