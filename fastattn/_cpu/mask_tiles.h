@@ -12,9 +12,10 @@
  *    through 128-bit loads of four rows into one register and in-lane unpacks
  *    (load_transposed_floats), a bfloat16 mask over float scores (AVX-512) as 16-bit words before
  *    it is widened (transpose_bfloat16_block), a bool mask (AVX-512BW) as one 16-bit row mask per
- *    key for a masked multiply (hide_bool_block) or, in the half-precision forwards without an edge
- *    on the tile, kept as those bits for the softmax to read (full_mask_bits, RowsHidden), other
- *    kinds as L vector loads transposed in registers (log2 L rounds of L two-input shuffles).  Key
+ *    key for a masked multiply (hide_bool_block), other kinds as L vector loads transposed in
+ *    registers (log2 L rounds of L two-input shuffles).  The half-precision forwards keep a bool
+ *    mask's bits (full_mask_bits, RowsHidden) and a bfloat16 mask's transposed words
+ *    (full_mask_words, RowsBiased) for their softmax to read instead of the pass.  Key
  *    tails, and masks whose key axis is not contiguous, read element by element.  Kernels whose
  *    products leave the scores unscaled scale them in the same pass (one pass over the tile
  *    instead of two).
@@ -457,15 +458,17 @@ template <typename T> struct KeysBiased {
  * vector of 16 rows (bool_block_bits), bits[(r / 16) * n + j] for row r and key j of the tile:
  * n * mp / 8 bytes that the softmax reads as it reads the scores (RowsHidden), where the mask pass
  * read and wrote the whole score tile (n * mp floats) once more.  Rows past the tile's own (the
- * padding up to mp) read row 0's mask: their outputs are never written. */
+ * padding up to mp, whole vectors of it where mp rounds rows up to 32) read row 0's mask: their
+ * outputs are never written. */
 #if defined(__AVX512BW__)
 static void full_mask_bits(const FwdParams& p, int64_t b, int64_t kvh, int64_t q0, int64_t qn, int64_t rows,
                            int64_t mp, int64_t kt, int64_t n, uint16_t* bits) {
     const uint8_t* mask = reinterpret_cast<const uint8_t*>(p.mask);
     MaskRows cursor(p, b, kvh, q0, qn, 0);
+    const uint8_t* first_row = mask + cursor.offset + kt;
     for (int64_t r0 = 0; r0 < mp; r0 += 16) {
         const uint8_t* row[16];
-        for (int u = 0; u < 16; ++u, cursor.next()) row[u] = r0 + u < rows ? mask + cursor.offset + kt : row[0];
+        for (int u = 0; u < 16; ++u, cursor.next()) row[u] = r0 + u < rows ? mask + cursor.offset + kt : first_row;
         uint16_t* out = bits + (r0 / 16) * n;
         int64_t j0 = 0;
         for (; j0 + 16 <= n; j0 += 16) {
