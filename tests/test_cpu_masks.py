@@ -161,16 +161,17 @@ def test_masks_at_every_level(name: str, mask_name: str, restore_level: None) ->
 
 
 @pytest.mark.parametrize("name", isa.runnable())
-@pytest.mark.parametrize("mask_name", ["bool-full", "bool-keys", "bfloat16-heads"])
+@pytest.mark.parametrize("mask_name", ["bool-full", "bool-keys", "bfloat16-heads", "float16-full"])
 @pytest.mark.parametrize("dtype", [ml_dtypes.bfloat16, np.float16])
 @pytest.mark.parametrize("causal", [False, "bottom_right"])
 def test_masks_on_the_half_precision_kernels(
     name: str, mask_name: str, dtype: Any, causal: Any, restore_level: None
 ) -> None:
     """Head dim 64, where the half-precision forwards run on bfloat16 units (AMX, ``vdpbf16ps``) and
-    their softmax takes a bool mask as bits and a (B,1,1,Sk) mask per key: 140 rows a kv head (four
-    row vectors and a padded one), 300 keys (a whole tile, then 2 blocks of 16 and a 12-key tail);
-    causal, every tile has an edge and takes the mask pass instead."""
+    their softmax takes a bool mask as bits, a bfloat16 one as words and a (B,1,1,Sk) one per key
+    (a float16 one takes the mask pass): 140 rows a kv head (ten row vectors, the ninth partly and
+    the tenth wholly padded), 300 keys (a whole tile, then 2 blocks of 16 and a 12-key tail).
+    Causal, every tile has an edge: bool masks fold it into their bits, the others take the pass."""
     isa.select(name)
     check_against_oracle(mask_name, dtype, seq_q=70, seq_k=300, causal=causal, head_dim=64)
 
