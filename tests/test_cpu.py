@@ -440,6 +440,46 @@ def test_float16_forward_keeps_float32_accuracy(options, threads) -> None:
     assert error <= 2 * error32, f"float16 {error:.3g} against float32 rounded to float16 {error32:.3g}"
 
 
+#: How far the scores of each run of keys rise along a shared direction, per unit of a row's weight,
+#: and how many keys each run has (runs start at multiples of 256: whole key tiles of up to 256 keys,
+#: so a tile's rise is its own).  At weight 1 (scale 1/8) the running maximum grows by 200 bits of
+#: 2^t (P infinite against the maximum as it stood), by 4 (a settled tile whose P exceeds 1), by 121,
+#: and falls.  After 121 bits each tile's P and its sum are finite (~2^126.5 for 128 keys) but the
+#: sum of 1024 keys' P is not: only the sum's limit keeps those tiles out of the row sum (an infinite
+#: row sum gives a zero output and an infinite lse, which the rerun on non-finite outputs misses).
+RISING_SCORE_STEPS = ((0.0, 256), (1109.0, 256), (1131.0, 256), (1783.0, 1024), (1200.0, 256))
+
+
+@pytest.mark.parametrize("dtype", [ml_dtypes.bfloat16, np.float16])
+@pytest.mark.parametrize("causal", [False, "bottom_right"])
+def test_half_precision_softmax_follows_a_rising_maximum(dtype, causal, threads) -> None:
+    """The half-precision forwards' softmax runs a tile whose rows' maxima have settled against the
+    maximum as it stands, and runs it again with the maximum's pass where a row's sum of that tile's
+    P reaches 2^16 (forward_tiles.h: settled_softmax_step).  Here each run of keys' scores lie
+    RISING_SCORE_STEPS times a row weight of 0.02, 0.3 or 1 (drawn per row: some rows of a row vector
+    settle, some do not) above the first run's: every row against the float64 oracle, and the lse
+    within 1e-2 (float16's products drop the lo x lo parts: here its lse errs by ~5e-4)."""
+    rng = np.random.default_rng()
+    rises, lengths = zip(*RISING_SCORE_STEPS)
+    batch, heads_q, heads_kv, seq_q, seq_k, dims = 1, 4, 2, 96, sum(lengths), 64
+    direction = rng.standard_normal(dims)
+    direction /= np.linalg.norm(direction)
+    weight = rng.choice([0.02, 0.3, 1.0], size=(batch, heads_q, seq_q, 1))
+    rise = np.repeat(rises, lengths)[:, None]
+    q = rng.standard_normal((batch, heads_q, seq_q, dims))
+    q += (weight - q @ direction[:, None]) * direction  # q . direction = weight, before rounding
+    k = rng.standard_normal((batch, heads_kv, seq_k, dims)) + rise * direction
+    v = rng.standard_normal((batch, heads_kv, seq_k, dims))
+    q, k, v = (x.astype(dtype) for x in (q, k, v))
+    fastattn.set_num_threads(2)
+    out, lse = fastattn.attention(q, k, v, causal=causal, return_lse=True, backend="cpu")
+    expected, expected_lse = _oracle.forward(*(x.astype(np.float64) for x in (q, k, v)), _oracle.Options(causal=causal))
+    difference = np.linalg.norm(out.astype(np.float64) - expected, axis=-1)
+    row_error = difference / np.linalg.norm(expected, axis=-1)
+    assert row_error.max() <= FORWARD_TOLERANCE[np.dtype(dtype).name], f"worst row {row_error.max():.3g}"
+    np.testing.assert_allclose(lse, expected_lse, rtol=0, atol=1e-2)  # 1% of the row sum, as the output
+
+
 DOT_DECODE_CASES = {
     "one-row-split-keys": {"batch": 1, "heads_kv": 1, "seq_q": 1},
     "gqa-bool-mask-lengths": {"seq_q": 2, "mask_kind": "bool", "mask_shape": (2, 1, 1, 600), "key_lengths": (600, 77)},

@@ -244,6 +244,7 @@ static inline __m512i interleave_halves_index() {
  * j and j + 1 of 16 rows (r, a multiple of 16) as they are computed, so P never returns to S;
  * `zero_tail` then clears the pairs from n up to the next multiple of 32 keys. */
 struct PackProbabilities {
+    static constexpr bool leaves_scores = true; /* online_softmax may skip a settled tile's maximum */
     uint16_t* pb;
     int64_t N;
     __m512i interleave;

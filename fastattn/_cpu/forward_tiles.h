@@ -498,12 +498,26 @@ template <typename T> static inline void scale_row(T* row, int64_t n, T factor) 
  * by default back into S (StoreProbabilities); the AMX kernel packs it into its tiles instead.
  * O is O[c][rows] (c * mp + r), or with o_by_row O[r][c] (r * Dv + c: forward_block's).
  * `columns(x, j, r)` is what the softmax reads of key j's score vector x (rows r .. r + L - 1): S as
- * it lies by default, or S masked on the way (mask_tiles.h: KeysHidden, KeysBiased, RowsHidden). */
+ * it lies by default, or S masked on the way (mask_tiles.h: KeysHidden, KeysBiased, RowsHidden).
+ *
+ * Settled rows skip the maximum's pass.  Where `keep` leaves S as it is (Keep::leaves_scores: the
+ * half-precision kernels' packers) and every row of a vector has a finite running maximum, the
+ * exponentials first run against that maximum as it stands, in one pass over S.  If each row's
+ * sum of the tile's P stays below kSettledSumLimit, no P exceeded it either: the maximum stays,
+ * alpha is 1, and the pass is the step (P may exceed 1 by that much, which float32 sums, bfloat16 P
+ * and float32 O hold exactly as well; lse = m + log(l) holds for any m).  Otherwise (the maximum grew
+ * by more than log2 of the limit, or a NaN or infinite P) the step runs again with the maximum's
+ * pass, and its P replaces what was kept.  Once the maxima settle (on random scores after the first
+ * tile) the maximum's pass, which re-read S from L2, is gone: it was ~1/6 of the bfloat16 softmax's
+ * samples on the Xeon model 167. */
+constexpr float kSettledSumLimit = 65536.0f;
+
 struct ScoresAsStored {
     template <typename V> inline V operator()(V score, int64_t, int64_t) const { return score; }
 };
 
 template <typename T> struct StoreProbabilities {
+    static constexpr bool leaves_scores = false; /* P overwrites S */
     T* s;
     int64_t n, mp;
     inline void operator()(int64_t j, int64_t r, typename Vec<T>::type p0, typename Vec<T>::type p1) const {
@@ -517,6 +531,53 @@ template <typename T> struct StoreProbabilities {
  * vector at a time) read one vector of each 256-byte key row of S per step, and the 2-core Zen 3
  * took 7-8% longer per score on a tile of 64 rows x 128 keys (a loop of that tile alone).  Each
  * vector's maximum and sums run in the same order as with rows outside: the results are the same. */
+/* The exponential pass of softmax_row_vectors: P = 2^(S score_log2e - shift) for RV vectors of rows
+ * from r0, handed to keep, its sums in total0 + total1 (two chains a vector: the adds would wait on
+ * each other). */
+template <typename T, int RV, typename Keep, typename Columns>
+static inline void softmax_exponentials(const T* s, int64_t n, int64_t mp, int64_t r0, T score_log2e,
+                                        const typename Vec<T>::type* shift, const Keep& keep, const Columns& columns,
+                                        typename Vec<T>::type* total0, typename Vec<T>::type* total1) {
+    typedef typename Vec<T>::type V;
+    constexpr int L = Vec<T>::lanes;
+    FASTATTN_UNROLL for (int u = 0; u < RV; ++u) total0[u] = total1[u] = V{};
+    for (int64_t j = 0; j < n; j += 2)
+        FASTATTN_UNROLL for (int u = 0; u < RV; ++u) {
+            const int64_t r = r0 + u * L;
+            const V p0 = vexp2_softmax(columns(vload<V>(s + j * mp + r), j, r) * score_log2e - shift[u]);
+            const V p1 = j + 1 < n
+                             ? vexp2_softmax(columns(vload<V>(s + (j + 1) * mp + r), j + 1, r) * score_log2e - shift[u])
+                             : V{};
+            keep(j, r, p0, p1);
+            total0[u] += p0;
+            total1[u] += p1;
+        }
+}
+
+/* softmax_row_vectors' pass for rows whose maximum has settled (see online_softmax): true where it
+ * took the step, false where the step must run with the maximum's pass. */
+template <typename T, int RV, typename Keep, typename Columns>
+static inline bool settled_softmax_step(const T* s, int64_t n, int64_t mp, int64_t r0, T* row_max, T* row_sum,
+                                        T score_scale, const Keep& keep, const Columns& columns) {
+    typedef typename Vec<T>::type V;
+    constexpr int L = Vec<T>::lanes;
+    V shift[RV], total0[RV], total1[RV];
+    FASTATTN_UNROLL for (int u = 0; u < RV; ++u) {
+        const V running = vload<V>(row_max + r0 + u * L);
+        if (!vequal_all(running - running, V{})) return false; /* -inf (no key yet), or NaN */
+        shift[u] = running * kLog2e<T>;
+    }
+    softmax_exponentials<T, RV>(s, n, mp, r0, score_scale * kLog2e<T>, shift, keep, columns, total0, total1);
+    const V limit = vbroadcast((T)kSettledSumLimit);
+    V sums[RV];
+    FASTATTN_UNROLL for (int u = 0; u < RV; ++u) {
+        sums[u] = total0[u] + total1[u];
+        if (!vequal_all(vmax(limit, sums[u]), limit)) return false; /* a NaN sum fails too */
+    }
+    FASTATTN_UNROLL for (int u = 0; u < RV; ++u) vstore(row_sum + r0 + u * L, vload<V>(row_sum + r0 + u * L) + sums[u]);
+    return true;
+}
+
 template <typename T, int RV, typename Keep, typename Columns>
 static inline void softmax_row_vectors(T* s, int64_t n, int64_t mp, int64_t r0, T* row_max, T* row_sum, T* o,
                                        int64_t Dv, T score_scale, const Keep& keep_in, bool o_by_row,
@@ -526,6 +587,8 @@ static inline void softmax_row_vectors(T* s, int64_t n, int64_t mp, int64_t r0, 
      * again after every store where this function is not inlined (the masked softmax). */
     const Keep keep = keep_in;
     const Columns columns = columns_in;
+    if constexpr (Keep::leaves_scores)
+        if (settled_softmax_step<T, RV>(s, n, mp, r0, row_max, row_sum, score_scale, keep, columns)) return;
     constexpr int L = Vec<T>::lanes;
     const T log2e = kLog2e<T>, score_log2e = score_scale * kLog2e<T>;
     const V neg_inf = vbroadcast(-std::numeric_limits<T>::infinity());
@@ -541,26 +604,15 @@ static inline void softmax_row_vectors(T* s, int64_t n, int64_t mp, int64_t r0, 
     if (j < n)
         FASTATTN_UNROLL for (int u = 0; u < RV; ++u) max0[u] =
             vmax(max0[u], columns(vload<V>(s + j * mp + r0 + u * L), j, r0 + u * L));
-    V shift[RV], alpha[RV], total0[RV], total1[RV]; /* two sums a vector: the adds would wait on each other */
+    V shift[RV], alpha[RV], total0[RV], total1[RV];
     FASTATTN_UNROLL for (int u = 0; u < RV; ++u) {
         const V running = vload<V>(row_max + r0 + u * L);
         const V new_max = vmax(running, vmax(max0[u], max1[u]) * score_scale);
         shift[u] = vselect(new_max == neg_inf, V{}, new_max) * log2e;
         alpha[u] = vexp2_softmax(running * log2e - shift[u]);
         vstore(row_max + r0 + u * L, new_max);
-        total0[u] = total1[u] = V{};
     }
-    for (j = 0; j < n; j += 2)
-        FASTATTN_UNROLL for (int u = 0; u < RV; ++u) {
-            const int64_t r = r0 + u * L;
-            const V p0 = vexp2_softmax(columns(vload<V>(s + j * mp + r), j, r) * score_log2e - shift[u]);
-            const V p1 = j + 1 < n
-                             ? vexp2_softmax(columns(vload<V>(s + (j + 1) * mp + r), j + 1, r) * score_log2e - shift[u])
-                             : V{};
-            keep(j, r, p0, p1);
-            total0[u] += p0;
-            total1[u] += p1;
-        }
+    softmax_exponentials<T, RV>(s, n, mp, r0, score_log2e, shift, keep, columns, total0, total1);
     FASTATTN_UNROLL for (int u = 0; u < RV; ++u) {
         const int64_t r = r0 + u * L;
         vstore(row_sum + r, vload<V>(row_sum + r) * alpha[u] + (total0[u] + total1[u]));
