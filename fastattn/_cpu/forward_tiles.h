@@ -526,11 +526,6 @@ template <typename T> struct StoreProbabilities {
     }
 };
 
-/* online_softmax's step for RV vectors of rows from r0, the loops over keys outside: each key's
- * RV vectors lie side by side in S, so the passes read S in order.  Rows as the outer loop (one
- * vector at a time) read one vector of each 256-byte key row of S per step, and the 2-core Zen 3
- * took 7-8% longer per score on a tile of 64 rows x 128 keys (a loop of that tile alone).  Each
- * vector's maximum and sums run in the same order as with rows outside: the results are the same. */
 /* The exponential pass of softmax_row_vectors: P = 2^(S score_log2e - shift) for RV vectors of rows
  * from r0, handed to keep, its sums in total0 + total1 (two chains a vector: the adds would wait on
  * each other). */
@@ -578,6 +573,11 @@ static inline bool settled_softmax_step(const T* s, int64_t n, int64_t mp, int64
     return true;
 }
 
+/* online_softmax's step for RV vectors of rows from r0, the loops over keys outside: each key's
+ * RV vectors lie side by side in S, so the passes read S in order.  Rows as the outer loop (one
+ * vector at a time) read one vector of each 256-byte key row of S per step, and the 2-core Zen 3
+ * took 7-8% longer per score on a tile of 64 rows x 128 keys (a loop of that tile alone).  Each
+ * vector's maximum and sums run in the same order as with rows outside: the results are the same. */
 template <typename T, int RV, typename Keep, typename Columns>
 static inline void softmax_row_vectors(T* s, int64_t n, int64_t mp, int64_t r0, T* row_max, T* row_sum, T* o,
                                        int64_t Dv, T score_scale, const Keep& keep_in, bool o_by_row,
