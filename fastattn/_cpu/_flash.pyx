@@ -269,8 +269,27 @@ cdef void _set_call_inputs(FwdParams* p, q, k, v, lse, extras) except *:
         p.dropout_offset = <uint32_t> dropout.offset
 
 
+#: Whether _empty fills its results with NaN (poison_results: the tests' setting).
+cdef bint _poisoned = False
+#: bfloat16's quiet NaN, as the uint16 bits _empty allocates bfloat16 results as.
+cdef int _BFLOAT16_NAN_BITS = 0x7FC0
+
+
+def poison_results(bint enabled):
+    """Fill every result the kernels return (outputs, lse, gradients) with NaN before the kernels
+    write it, so that an element they never write fails every comparison instead of passing with
+    whatever the memory held (zeros from the OS, or an earlier result).  For tests: the conformance
+    suite's poisoned allocator (``_arrays.empty_bhsd``) does not see the ``cpu`` backend's results,
+    which this module allocates itself.  Returns the previous setting."""
+    global _poisoned
+    previous = _poisoned
+    _poisoned = enabled
+    return previous
+
+
 cdef _empty(tuple shape, object dtype, int typenum, bint swap):
-    """An uninitialised result of ``shape`` (allocation order), viewed (B, H, S, D) when ``swap``.
+    """An uninitialised result of ``shape`` (allocation order), viewed (B, H, S, D) when ``swap``
+    (NaN throughout under ``poison_results``).
 
     ``typenum`` is numpy's number for the dtype, or -1 for bfloat16, which has none: its bits are
     allocated as uint16 and viewed.
@@ -280,6 +299,8 @@ cdef _empty(tuple shape, object dtype, int typenum, bint swap):
     for axis in range(ndim):
         dims[axis] = shape[axis]
     result = cnp.PyArray_EMPTY(ndim, dims, cnp.NPY_UINT16 if typenum < 0 else typenum, 0)
+    if _poisoned:
+        result.fill(_BFLOAT16_NAN_BITS if typenum < 0 else np.nan)
     if typenum < 0:
         result = result.view(dtype)
     return result.swapaxes(1, 2) if swap else result

@@ -2,7 +2,8 @@
 
 Adding a backend to the registry adds it here: nothing in the tests names a backend.  Every result
 buffer that a backend allocates through ``fastattn._arrays.empty_bhsd`` is filled with NaN first,
-so an element a kernel forgets to write fails the comparison instead of passing by luck.
+so an element a kernel forgets to write fails the comparison instead of passing by luck (the ``cpu``
+backend allocates its own results: tests/conftest.py poisons those, for every test).
 """
 
 from __future__ import annotations
