@@ -233,6 +233,7 @@ extensions = [
         + [("FASTATTN_LEVEL_" + level.name.upper(), "1") for level in _levels],
         language="c++",
         depends=[*_kernel_sources, *_kernel_headers, "fastattn/_cpu/dispatch.h", "fastattn/_cpu/thread_scratch.h",
+                 "fastattn/_cpu/result_blocks.h",
                  "fastattn/_cpu/_omp_shim.h"],
         extra_compile_args=_baseline_args + _omp,
         extra_link_args=_link_args,

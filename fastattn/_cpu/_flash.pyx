@@ -118,6 +118,11 @@ cdef extern from "kernel_table.h" namespace "fastattn" nogil:
         const char* (*forward_kernel)(const FwdParams* params, int64_t rows) noexcept nogil
         const char* (*backward_kernel)(const BwdParams* params) noexcept nogil
 
+cdef extern from "result_blocks.h" namespace "fastattn" nogil:
+    size_t kCachedMinBytes
+    void* take_result_block(size_t bytes, size_t* size)
+    void give_result_block(void* block, size_t size)
+
 cdef extern from "dispatch.h" namespace "fastattn" nogil:
     cdef struct IsaLevel:
         const KernelTable* table
@@ -287,18 +292,42 @@ def poison_results(bint enabled):
     return previous
 
 
+cdef class _ResultMemory:
+    """The memory under a result of at least ``kCachedMinBytes`` (the array's ``base``): it goes
+    back to the block cache of ``result_blocks.h`` when the last array over it goes, and the next
+    call's result of about its size takes it, where fresh memory would cost page faults."""
+    cdef void* block
+    cdef size_t size
+
+    def __dealloc__(self):
+        if self.block != NULL:
+            give_result_block(self.block, self.size)
+
+
 cdef _empty(tuple shape, object dtype, int typenum, bint swap):
     """An uninitialised result of ``shape`` (allocation order), viewed (B, H, S, D) when ``swap``
-    (NaN throughout under ``poison_results``).
+    (NaN throughout under ``poison_results``); from the block cache where it is large enough.
 
     ``typenum`` is numpy's number for the dtype, or -1 for bfloat16, which has none: its bits are
     allocated as uint16 and viewed.
     """
     cdef cnp.npy_intp dims[4]
     cdef int axis, ndim = len(shape)
+    cdef size_t bytes = dtype.itemsize
+    cdef _ResultMemory memory
     for axis in range(ndim):
         dims[axis] = shape[axis]
-    result = cnp.PyArray_EMPTY(ndim, dims, cnp.NPY_UINT16 if typenum < 0 else typenum, 0)
+        bytes *= <size_t> dims[axis]
+    cdef int allocated = cnp.NPY_UINT16 if typenum < 0 else typenum
+    if bytes < kCachedMinBytes:
+        result = cnp.PyArray_EMPTY(ndim, dims, allocated, 0)
+    else:
+        memory = _ResultMemory.__new__(_ResultMemory)
+        memory.block = take_result_block(bytes, &memory.size)
+        if memory.block == NULL:
+            raise MemoryError(f"fastattn: could not allocate a result of {bytes} bytes")
+        result = cnp.PyArray_SimpleNewFromData(ndim, dims, allocated, memory.block)
+        cnp.set_array_base(result, memory)
     if _poisoned:
         result.fill(_BFLOAT16_NAN_BITS if typenum < 0 else np.nan)
     if typenum < 0:
