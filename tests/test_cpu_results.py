@@ -33,9 +33,12 @@ def inputs(seed: int, shape: tuple[int, int, int, int] = LARGE, dtype: type = np
 
 def test_a_result_gone_lends_its_memory_to_the_next() -> None:
     """The memory waits for the next result: an array of the same size made in between (which
-    malloc would serve from memory just freed) does not get it."""
+    malloc would serve from memory just freed) does not get it, nor does an older block of the same
+    size in the cache."""
     q, k, v = inputs(1)
+    older = fastattn.attention(q, k, v, backend="cpu")
     first = fastattn.attention(q, k, v, backend="cpu")
+    del older
     kept = address(first)
     del first
     gc.collect()

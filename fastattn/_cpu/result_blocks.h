@@ -10,10 +10,10 @@
  *
  * Blocks of at least kCachedMinBytes (smaller ones stay with malloc, which reuses them); a request
  * takes the smallest cached block that holds it and is at most twice its size (so a large block is
- * not held by a small result); at most kCacheSlots blocks and kCacheMaxBytes in all are kept, the
- * longest-kept freed first to make room.  A block keeps its contents: the caller must not rely on
- * fresh memory (the tests' poison_results fills every result with NaN).  Not thread-safe: callers
- * hold the GIL. */
+ * not held by a small result), the last kept of equal ones; at most kCacheSlots blocks and
+ * kCacheMaxBytes in all are kept, the longest-kept freed first to make room.  A block keeps its
+ * contents: the caller must not rely on fresh memory (the tests' poison_results fills every result
+ * with NaN).  Not thread-safe: callers hold the GIL. */
 #ifndef FASTATTN_RESULT_BLOCKS_H
 #define FASTATTN_RESULT_BLOCKS_H
 
@@ -52,8 +52,8 @@ static inline ResultBlockCache& result_block_cache() {
 static inline void* take_result_block(size_t bytes, size_t* size) {
     const size_t rounded = (bytes + 63) / 64 * 64;
     ResultBlockCache& cache = result_block_cache();
-    int best = -1;
-    for (int i = 0; i < cache.count; ++i)
+    int best = -1; /* among blocks of one size the last kept: the one most likely still in cache */
+    for (int i = cache.count - 1; i >= 0; --i)
         if (cache.size[i] >= rounded && cache.size[i] / 2 <= rounded && (best < 0 || cache.size[i] < cache.size[best]))
             best = i;
     if (best < 0) {
