@@ -1,17 +1,15 @@
-/* What AMX tile products cost around the forward's Q K^T, and whether vector work overlaps them
- * (issue #23; benchmarks/README.md, "AMX: where the tile products' time goes").
+/* What storing the forward's score tiles costs the AMX products (issue #23; benchmarks/README.md,
+ * 2026-11-29, fifth session).
  *
  *   gcc -O2 -march=sapphirerapids benchmarks/amx_tiles.c -o /tmp/amx_tiles && /tmp/amx_tiles
  *
- * Part 1 times one 256-key x 128-row tile of S^T = K Q^T at D = 64 the way flash_amx.h's
- * tile_scores runs it (2 x 2 blocks of C tiles, two 32-deep steps a block), its 16 x 16 float32
- * results stored into a score buffer [key][128 rows]:
+ * Times one 256-key x 128-row tile of S^T = K Q^T at D = 64 the way flash_amx.h's tile_scores runs
+ * it (2 x 2 blocks of C tiles, two 32-deep steps a block), its 16 x 16 float32 results stored into
+ * a score buffer [key][128 rows]:
  *   - into the whole 128 KiB buffer (the kernel's), which lives in L2;
  *   - into 16 KiB reused for every pair of key blocks, which stays in L1;
  *   - not stored at all (the products alone).
- * Part 2 interleaves a 2 x 2 step (four tile loads, four tdpbf16ps, operands in L1) with n
- * vectors of exponential-like work (a load, an FMA polynomial, vscalefps, a sum, a bfloat16
- * pack and store: the softmax's per-vector work) and compares the time with the two run apart.
+ * Whether vector work overlaps the products is benchmarks/amx_overlap.c's question.
  * Needs Linux 5.16+ (the AMX state is requested with arch_prctl) and AMX-BF16. */
 #include <immintrin.h>
 #include <stdint.h>
@@ -34,10 +32,6 @@ struct __attribute__((aligned(64))) TileConfig {
 static uint16_t keys[256 * 64] __attribute__((aligned(64)));      /* 256 keys x 64 dims: rows 128 B */
 static uint16_t queries[8][2][512] __attribute__((aligned(64)));   /* row tile x step x B tile */
 static float scores[256 * ROWS] __attribute__((aligned(64)));      /* S^T[key][row]: 128 KiB */
-static uint16_t operands[4][512] __attribute__((aligned(64)));
-static float work_in[8192 * 16] __attribute__((aligned(64)));
-static uint16_t work_out[8192 * 16] __attribute__((aligned(64)));
-
 static double now(void) {
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
@@ -71,31 +65,6 @@ static void scores_tile(int store) {
         }
 }
 
-static inline void tile_step(void) {
-    _tile_loadd(4, operands[0], 64);
-    _tile_loadd(5, operands[1], 64);
-    _tile_loadd(6, operands[2], 64);
-    _tile_loadd(7, operands[3], 64);
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(1, 4, 7);
-    _tile_dpbf16ps(2, 5, 6);
-    _tile_dpbf16ps(3, 5, 7);
-}
-
-static inline __m512 vector_work(int j, __m512 sum) {
-    const int at = (j & 8191) * 16;
-    const __m512 x = _mm512_sub_ps(_mm512_load_ps(work_in + at), _mm512_set1_ps(3.0f));
-    const __m512 whole = _mm512_roundscale_ps(x, 0), f = _mm512_sub_ps(x, whole);
-    __m512 p = _mm512_fmadd_ps(f, _mm512_set1_ps(0.0013f), _mm512_set1_ps(0.0096f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.0555f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.2402f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    p = _mm512_scalef_ps(p, whole);
-    _mm256_store_si256((__m256i*)(work_out + at), (__m256i)_mm512_cvtneps_pbh(p));
-    return _mm512_add_ps(sum, p);
-}
-
 int main(void) {
     if (syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) != 0) {
         fprintf(stderr, "amx_tiles: the kernel refused the AMX tile state\n");
@@ -110,8 +79,6 @@ int main(void) {
     }
     _tile_loadconfig(&config);
     for (int i = 0; i < 256 * 64; ++i) keys[i] = 0x3f80;
-    for (int i = 0; i < 4 * 512; ++i) ((uint16_t*)operands)[i] = 0x3f80;
-    for (int i = 0; i < 8192 * 16; ++i) work_in[i] = (float)(i % 97) * 0.01f;
 
     const char* names[3] = {"products alone", "stored into 128 KiB (L2)", "stored into 16 KiB (L1)"};
     const int modes[3] = {0, 1, 2};
@@ -127,34 +94,6 @@ int main(void) {
         printf("  %-26s %6.0f ns a tile, %5.2f ns a tdpbf16ps\n", names[m], best * 1e9, best * 1e9 / 256);
     }
 
-    printf("a 2 x 2 step (4 tile loads, 4 tdpbf16ps) with n vectors of softmax-like work:\n");
-    const int steps = 200000;
-    for (int n = 4; n <= 32; n *= 2) {
-        double tiles = 1e9, vectors = 1e9, both = 1e9;
-        for (int round = 0; round < 5; ++round) {
-            __m512 sum = _mm512_setzero_ps();
-            const double t0 = now();
-            for (int i = 0; i < steps; ++i) tile_step();
-            _tile_stored(0, scores, 64);
-            const double t1 = now();
-            for (int i = 0; i < steps; ++i)
-                for (int j = 0; j < n; ++j) sum = vector_work(i * n + j, sum);
-            const double t2 = now();
-            for (int i = 0; i < steps; ++i) {
-                tile_step();
-                for (int j = 0; j < n; ++j) sum = vector_work(i * n + j, sum);
-            }
-            _tile_stored(0, scores, 64);
-            const double t3 = now();
-            volatile float keep = _mm512_reduce_add_ps(sum);
-            (void)keep;
-            if (t1 - t0 < tiles) tiles = t1 - t0;
-            if (t2 - t1 < vectors) vectors = t2 - t1;
-            if (t3 - t2 < both) both = t3 - t2;
-        }
-        printf("  n = %2d: step %5.1f ns, vectors %6.1f ns, interleaved %6.1f ns (apart: %6.1f)\n", n,
-               tiles / steps * 1e9, vectors / steps * 1e9, both / steps * 1e9, (tiles + vectors) / steps * 1e9);
-    }
     _tile_release();
     return 0;
 }
