@@ -51,16 +51,21 @@ static inline void dot_scores_block(const T* q, int64_t D, const In* keys, int64
     FASTATTN_UNROLL for (int u = 0; u < L; ++u) acc[u] = V{};
     if constexpr (!each_step) between(D / L);
     if constexpr (Pairs) {
+        /* Each parity's q vectors a loop of their own: with both at once, 2 RB q vectors stayed live
+         * beside the accumulators and K's vectors, and GCC read q from memory at every FMA instead
+         * (twice as many loads, on Zen 1's 128-bit load ports; the 4-row bfloat16 decode in cache
+         * 1.04x faster so, on a 2-core Zen 1).  The same FMAs in the same order per accumulator. */
         for (int64_t d = 0; d < D; d += 2 * L) {
             if constexpr (each_step) between(2);
             V even[KB], odd[KB];
             FASTATTN_UNROLL for (int u = 0; u < KB; ++u) load_pair_order<T>(keys + u * key_stride + d, even[u], odd[u]);
             FASTATTN_UNROLL for (int r = 0; r < RB; ++r) {
-                const V q_even = vload<V>(q + r * D + d), q_odd = vload<V>(q + r * D + d + L);
-                FASTATTN_UNROLL for (int u = 0; u < KB; ++u) {
-                    acc[r * KB + u] += even[u] * q_even;
-                    acc[r * KB + u] += odd[u] * q_odd;
-                }
+                const V q_even = vload<V>(q + r * D + d);
+                FASTATTN_UNROLL for (int u = 0; u < KB; ++u) acc[r * KB + u] += even[u] * q_even;
+            }
+            FASTATTN_UNROLL for (int r = 0; r < RB; ++r) {
+                const V q_odd = vload<V>(q + r * D + d + L);
+                FASTATTN_UNROLL for (int u = 0; u < KB; ++u) acc[r * KB + u] += odd[u] * q_odd;
             }
         }
     } else {
@@ -219,6 +224,39 @@ static void dot_start(const FwdParams& p, DotHead<T, R>& h, T* scratch, int64_t 
     std::memset(h.o, 0, sizeof(T) * R * Dv);
 }
 
+/* The decode's P.V holds rows x CB vectors of O in registers while V's rows stream past
+ * (add_weighted_values), CB value vectors beside them.  With 32 vector registers, all R rows at
+ * once, CB = 2 (8 rows), 4 (4-7 rows) or 8.  With 16, CB = 2 (3 rows or more), 4 (2 rows) or 8:
+ * the 4 x 4 block of 32 registers spilled its accumulators to the stack around every FMA there (a
+ * 4-row bfloat16 decode, C6's shape streamed: 1.14x faster as 4 x 2 on a 2-core Zen 1, EPYC family
+ * 23 model 1; float32 1.06x, float16 1.05x).  float32 rows past 4 go in a second pass (8 x 2
+ * spills too: 8-row float32 decodes 1.05x faster so); float16/bfloat16 keep one pass of 8 x 2,
+ * as a second pass converts V's rows again (0.97x bfloat16, 0.89x float16). */
+template <typename T, typename In, int R>
+constexpr int kDotPassRows = FASTATTN_VECTOR_BYTES == 64 || R <= 4 || !std::is_same<T, In>::value ? R : 4;
+template <int Rows> constexpr int kDotValueVectors =
+    FASTATTN_VECTOR_BYTES == 64 ? (Rows >= 8 ? 2 : Rows >= 4 ? 4 : 8) : (Rows >= 3 ? 2 : Rows == 2 ? 4 : 8);
+
+/* Vector passes of dot_values over Dv columns (value_passes per block of rows). */
+template <typename T, typename In, int R> constexpr int64_t dot_value_passes(int64_t Dv) {
+    constexpr int rows = kDotPassRows<T, In, R>;
+    if constexpr (rows < R)
+        return value_passes<T, kDotValueVectors<rows>>(Dv) + dot_value_passes<T, In, R - rows>(Dv);
+    else
+        return value_passes<T, kDotValueVectors<rows>>(Dv);
+}
+
+/* O[r][:] += P[r][j] V[j][:] for R rows (O's rows Dv apart, P's N apart), kDotPassRows rows at a
+ * time; between as add_weighted_values takes it. */
+template <typename T, typename In, int R, bool Pairs, typename Between>
+static void dot_values(T* o, int64_t Dv, const T* s, int64_t N, const In* v, int64_t v_stride, int64_t n, bool skip,
+                       Between&& between) {
+    constexpr int rows = kDotPassRows<T, In, R>;
+    add_weighted_values<T, In, rows, kDotValueVectors<rows>, Pairs>(o, Dv, s, N, 1, v, v_stride, n, skip, between);
+    if constexpr (rows < R)
+        dot_values<T, In, R - rows, Pairs>(o + rows * Dv, Dv, s + rows * N, N, v, v_stride, n, skip, between);
+}
+
 /* Keys kt..kt+n of head h: scores, softmax, O += P V; `ahead` (SpreadPrefetch) hands its lines to
  * the prefetcher spread over the tile's work. */
 template <typename T, typename In, int R>
@@ -227,7 +265,6 @@ static void dot_tile(const FwdParams& p, DotHead<T, R>& h, int64_t b, int64_t q0
     SpreadPrefetch<In> ahead = next; /* a local: its cursors stay in registers */
     typedef typename Vec<T>::type V;
     constexpr int L = Vec<T>::lanes;
-    constexpr int CB = R >= 8 ? 2 : R >= 4 ? 4 : 8; /* O columns (vectors) held per row */
     const int64_t D = p.head_dim, Dv = p.head_dim_v, N = p.key_tile;
     const int64_t d_main = D / L * L;
     const bool skip = p.skip_zero_weights != 0, pairs = reads_kv_in_pairs<T, In>(p);
@@ -244,7 +281,7 @@ static void dot_tile(const FwdParams& p, DotHead<T, R>& h, int64_t b, int64_t q0
     const int64_t k_row_stride = p.k_stride[2], v_row_stride = p.v_stride[2];
     /* issue(steps) hands over `steps` calls' share of `ahead`: D / L for a score block (R / RB blocks
      * per L keys), 1 for each value row. */
-    const int64_t calls = std::max<int64_t>(1, R * (n / L) * (D / L) + value_passes<T, CB>(Dv) * n);
+    const int64_t calls = std::max<int64_t>(1, R * (n / L) * (D / L) + dot_value_passes<T, In, R>(Dv) * n);
     const int64_t lines_per_call = (ahead.total_lines() + calls - 1) / calls;
     auto issue = [&](int64_t steps) __attribute__((always_inline)) { ahead.issue(lines_per_call * steps); };
 
@@ -297,12 +334,11 @@ static void dot_tile(const FwdParams& p, DotHead<T, R>& h, int64_t b, int64_t q0
 
     softmax_rows<T>(p, s, N, R, n, kt, b, h.kvh, q0, qn, h.head, h.query, h.position, h.row_max, h.row_sum, o);
 
-    /* O[r][:] += P[r][j] V[j][:], CB vectors of each row's O in registers. */
+    /* O[r][:] += P[r][j] V[j][:] (dot_values). */
     if (pairs)
-        add_weighted_values<T, In, R, CB, reads_in_pair_order<T, In>()>(o, Dv, s, N, 1, v_rows, v_row_stride, n,
-                                                                        skip, issue);
+        dot_values<T, In, R, reads_in_pair_order<T, In>()>(o, Dv, s, N, v_rows, v_row_stride, n, skip, issue);
     else
-        add_weighted_values<T, In, R, CB>(o, Dv, s, N, 1, v_rows, v_row_stride, n, skip, issue);
+        dot_values<T, In, R, false>(o, Dv, s, N, v_rows, v_row_stride, n, skip, issue);
 }
 
 template <typename T, typename In, int R>
