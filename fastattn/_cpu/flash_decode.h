@@ -37,11 +37,14 @@ template <typename T> constexpr int kDotRowBlock = Vec<T>::lanes >= 8 ? 4 : Vec<
  * small gain, at times inside the host's noise; one head in cache unchanged. */
 template <typename T, typename In> constexpr bool kPrefetchEachStep = !std::is_same<T, In>::value;
 
-/* s[r][u] = q[r] . keys[u] for RB rows (q's rows D apart) and KB = L / RB keys (keys' rows
- * key_stride apart, converted to T as they are loaded; Pairs: read in pair order, q's rows in pair
- * order too): L accumulators along D, reduced together; s's rows N apart.  The block's D / L shares
- * of the spread prefetch go to between() as kPrefetchEachStep says. */
-template <typename T, int RB, typename In, bool Pairs, typename Between>
+/* s[r][u] = q[r] . keys[u] for RB rows and KB = L / RB keys (keys' rows key_stride apart, converted
+ * to T as they are loaded; Pairs: read in pair order, q's rows in pair order too): L accumulators
+ * along D, reduced together; s's rows N apart.  q in depth blocks (DotHead::q_blocks): row r's
+ * vector of depths d .. d + L at q + r * L + (d / L) * QStep, so one register walks every row's q
+ * and the rows' offsets are constants (with a pointer a row, GCC spilled the general registers of
+ * the loop, the prefetch walk's among them).  The block's D / L shares of the spread prefetch go to
+ * between() as kPrefetchEachStep says. */
+template <typename T, int RB, typename In, bool Pairs, int64_t QStep, typename Between>
 static inline void dot_scores_block(const T* q, int64_t D, const In* keys, int64_t key_stride, T* s, int64_t N,
                                     Between&& between) {
     typedef typename Vec<T>::type V;
@@ -55,26 +58,29 @@ static inline void dot_scores_block(const T* q, int64_t D, const In* keys, int64
          * beside the accumulators and K's vectors, and GCC read q from memory at every FMA instead
          * (twice as many loads, on Zen 1's 128-bit load ports; the 4-row bfloat16 decode in cache
          * 1.04x faster so, on a 2-core Zen 1).  The same FMAs in the same order per accumulator. */
-        for (int64_t d = 0; d < D; d += 2 * L) {
+        for (int64_t d = 0; d < D; d += 2 * L, q += 2 * QStep) {
             if constexpr (each_step) between(2);
             V even[KB], odd[KB];
             FASTATTN_UNROLL for (int u = 0; u < KB; ++u) load_pair_order<T>(keys + u * key_stride + d, even[u], odd[u]);
             FASTATTN_UNROLL for (int r = 0; r < RB; ++r) {
-                const V q_even = vload<V>(q + r * D + d);
+                V q_even = vload<V>(q + r * L);
+                hold_in_register(q_even);
                 FASTATTN_UNROLL for (int u = 0; u < KB; ++u) acc[r * KB + u] += even[u] * q_even;
             }
             FASTATTN_UNROLL for (int r = 0; r < RB; ++r) {
-                const V q_odd = vload<V>(q + r * D + d + L);
+                V q_odd = vload<V>(q + QStep + r * L);
+                hold_in_register(q_odd);
                 FASTATTN_UNROLL for (int u = 0; u < KB; ++u) acc[r * KB + u] += odd[u] * q_odd;
             }
         }
     } else {
-        for (int64_t d = 0; d < D; d += L) {
+        for (int64_t d = 0; d < D; d += L, q += QStep) {
             if constexpr (each_step) between(1);
             V k[KB];
             FASTATTN_UNROLL for (int u = 0; u < KB; ++u) k[u] = load_vector<T>(keys + u * key_stride + d);
             FASTATTN_UNROLL for (int r = 0; r < RB; ++r) {
-                const V qv = vload<V>(q + r * D + d);
+                V qv = vload<V>(q + r * L);
+                hold_in_register(qv);
                 FASTATTN_UNROLL for (int u = 0; u < KB; ++u) acc[r * KB + u] += k[u] * qv;
             }
         }
@@ -85,18 +91,20 @@ static inline void dot_scores_block(const T* q, int64_t D, const In* keys, int64
     FASTATTN_UNROLL for (int r = 0; r < RB; ++r) std::memcpy(s + r * N, sums + r * KB, KB * sizeof(T));
 }
 
-/* The scores of `rows` rows against L keys: groups of RB rows, the rest in groups of RB / 2, ... */
-template <typename T, int RB, typename In, bool Pairs, typename Between>
+/* The scores of `rows` rows against L keys: groups of RB rows, the rest in groups of RB / 2, ...
+ * (q in depth blocks QStep apart, as dot_scores_block reads it). */
+template <typename T, int RB, typename In, bool Pairs, int64_t QStep, typename Between>
 static void dot_scores(int64_t rows, const T* q, int64_t D, const In* keys, int64_t key_stride, T* s, int64_t N,
                        Between&& between) {
-    constexpr int KB = Vec<T>::lanes / RB;
+    constexpr int L = Vec<T>::lanes, KB = L / RB;
     int64_t r = 0;
     for (; r + RB <= rows; r += RB)
-        for (int u = 0; u < Vec<T>::lanes; u += KB)
-            dot_scores_block<T, RB, In, Pairs>(q + r * D, D, keys + u * key_stride, key_stride, s + r * N + u, N,
-                                               between);
+        for (int u = 0; u < L; u += KB)
+            dot_scores_block<T, RB, In, Pairs, QStep>(q + r * L, D, keys + u * key_stride, key_stride, s + r * N + u,
+                                                      N, between);
     if constexpr (RB > 1)
-        if (r < rows) dot_scores<T, RB / 2, In, Pairs>(rows - r, q + r * D, D, keys, key_stride, s + r * N, N, between);
+        if (r < rows)
+            dot_scores<T, RB / 2, In, Pairs, QStep>(rows - r, q + r * L, D, keys, key_stride, s + r * N, N, between);
 }
 
 /* The decode rows' heads, queries and key positions (row r: head kvh * G + r / qn, query q0 + r % qn)
@@ -187,10 +195,12 @@ static inline void softmax_rows(const FwdParams& p, T* s, int64_t N, int rows, i
 }
 
 /* One kv head's rows of a decode item: scratch (q [R][D] scaled, s [R][N], o [R][Dv], q's and o's
- * rows in pair order where reads_kv_in_pairs, and k_block [L][D], K rows converted where the level
- * converts element by element) and the running softmax. */
+ * rows in pair order where reads_kv_in_pairs, k_block [L][D], K rows converted where the level
+ * converts element by element, and q_blocks [D / L][R][L], q again in depth blocks for the scores'
+ * blocks of L keys, filled where L divides D) and the running softmax. */
 template <typename T, int R> struct DotHead {
     T* q;
+    T* q_blocks;
     T* s;
     T* o;
     T* k_block;
@@ -198,11 +208,6 @@ template <typename T, int R> struct DotHead {
     T row_max[R], row_sum[R], position[R];
     int64_t head[R], query[R];
 };
-
-/* Elements of one DotHead's scratch. */
-template <typename T> static inline int64_t dot_head_elements(const FwdParams& p, int64_t rows) {
-    return rows * (p.head_dim + p.key_tile + p.head_dim_v) + Vec<T>::lanes * p.head_dim;
-}
 
 template <typename T, typename In, int R>
 static void dot_start(const FwdParams& p, DotHead<T, R>& h, T* scratch, int64_t b, int64_t kvh, int64_t q0,
@@ -212,6 +217,7 @@ static void dot_start(const FwdParams& p, DotHead<T, R>& h, T* scratch, int64_t 
     h.s = h.q + R * D;
     h.o = h.s + R * p.key_tile;
     h.k_block = h.o + R * Dv;
+    h.q_blocks = h.k_block + Vec<T>::lanes * D;
     h.kvh = kvh;
     start_rows<T>(p, kvh, q0, qn, R, h.head, h.query, h.position, h.row_max, h.row_sum);
     const T scale = (T)p.scale;
@@ -221,6 +227,11 @@ static void dot_start(const FwdParams& p, DotHead<T, R>& h, T* scratch, int64_t 
         for (int64_t d = 0; d < D; ++d) h.q[r * D + d] *= scale;
         if (reads_kv_in_pairs<T, In>(p)) reorder_pairs(h.q + r * D, D, false);
     }
+    constexpr int L = Vec<T>::lanes;
+    if (D % L == 0)
+        for (int64_t block = 0; block < D / L; ++block)
+            for (int r = 0; r < R; ++r)
+                std::memcpy(h.q_blocks + (block * R + r) * L, h.q + r * D + block * L, sizeof(T) * L);
     std::memset(h.o, 0, sizeof(T) * R * Dv);
 }
 
@@ -293,15 +304,17 @@ static void dot_tile(const FwdParams& p, DotHead<T, R>& h, int64_t b, int64_t q0
             const In* keys = k_rows + j_done * k_row_stride;
             if constexpr (reads_in_pair_order<T, In>()) {
                 if (pairs) {
-                    dot_scores<T, kDotRowBlock<T>, In, true>(R, q, D, keys, k_row_stride, s + j_done, N, issue);
+                    dot_scores<T, kDotRowBlock<T>, In, true, R * L>(R, h.q_blocks, D, keys, k_row_stride, s + j_done, N,
+                                                                  issue);
                     continue;
                 }
             }
             if constexpr (converts_in_registers<T, In>()) {
-                dot_scores<T, kDotRowBlock<T>, In, false>(R, q, D, keys, k_row_stride, s + j_done, N, issue);
+                dot_scores<T, kDotRowBlock<T>, In, false, R * L>(R, h.q_blocks, D, keys, k_row_stride, s + j_done, N,
+                                                                   issue);
             } else {
                 for (int jj = 0; jj < L; ++jj) convert_row(keys + jj * k_row_stride, h.k_block + jj * D, D);
-                dot_scores<T, kDotRowBlock<T>, T, false>(R, q, D, h.k_block, D, s + j_done, N, issue);
+                dot_scores<T, kDotRowBlock<T>, T, false, R * L>(R, h.q_blocks, D, h.k_block, D, s + j_done, N, issue);
             }
         }
     }

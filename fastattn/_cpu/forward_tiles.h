@@ -67,6 +67,12 @@ template <typename T> struct RowShape {
 /* Bytes before each kv head's scratch in a head group's room (its state: forward_heads). */
 constexpr int64_t kHeadStateBytes = 512;
 
+/* Elements of one DotHead's scratch (flash_decode.h): q and q_blocks [rows][D] each, s [rows][N],
+ * o [rows][Dv], k_block [L][D]. */
+template <typename T> static inline int64_t dot_head_elements(const FwdParams& p, int64_t rows) {
+    return rows * (2 * p.head_dim + p.key_tile + p.head_dim_v) + lanes<T>() * p.head_dim;
+}
+
 /* Enough for forward_block (rows-as-lanes) and DotKernel (<= 8 rows) alike, and for a group
  * of kv heads' states and scratch (forward_heads with DotKernel). */
 template <typename T> static size_t scratch_elements(const FwdParams& p) {
@@ -75,9 +81,8 @@ template <typename T> static size_t scratch_elements(const FwdParams& p) {
     const int64_t one = mp * p.head_dim + n * mp + p.head_dim_v * mp + 3 * mp + n * (p.head_dim + p.head_dim_v) +
                         lanes<T>() * p.head_dim_v + 4 * lanes<T>();
     const int64_t rows = p.group * p.block_queries;
-    const int64_t per_head = round_up(rows * (p.head_dim + n + p.head_dim_v) + lanes<T>() * p.head_dim,
-                                      64 / (int64_t)sizeof(T)) +
-                             kHeadStateBytes / (int64_t)sizeof(T);
+    const int64_t per_head =
+        round_up(dot_head_elements<T>(p, rows), 64 / (int64_t)sizeof(T)) + kHeadStateBytes / (int64_t)sizeof(T);
     return (size_t)std::max(one, forward_head_group(p) * per_head);
 }
 
