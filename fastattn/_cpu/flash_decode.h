@@ -54,10 +54,11 @@ static inline void dot_scores_block(const T* q, int64_t D, const In* keys, int64
     FASTATTN_UNROLL for (int u = 0; u < L; ++u) acc[u] = V{};
     if constexpr (!each_step) between(D / L);
     if constexpr (Pairs) {
-        /* Each parity's q vectors a loop of their own: with both at once, 2 RB q vectors stayed live
-         * beside the accumulators and K's vectors, and GCC read q from memory at every FMA instead
-         * (twice as many loads, on Zen 1's 128-bit load ports; the 4-row bfloat16 decode in cache
-         * 1.04x faster so, on a 2-core Zen 1).  The same FMAs in the same order per accumulator. */
+        /* Each parity's q vectors a loop of their own, so that RB q vectors, not 2 RB, are live beside
+         * the accumulators and K's vectors: within 16 registers, held there by hold_in_register.
+         * With both at once GCC read q from memory at every FMA (twice as many loads, on Zen 1's
+         * 128-bit load ports; the split alone made the 4-row bfloat16 decode in cache 1.04x faster on
+         * a 2-core Zen 1).  The same FMAs in the same order per accumulator. */
         for (int64_t d = 0; d < D; d += 2 * L, q += 2 * QStep) {
             if constexpr (each_step) between(2);
             V even[KB], odd[KB];

@@ -147,8 +147,9 @@ template <typename V, int L, int... I> static inline V source_order(V sums, std:
 /* The sums of eight vectors of eight floats, lane i holding x[i]'s, folded within 128-bit halves
  * first (pair_sums: two in-half shuffles and an add a pair of vectors, as x86's shufps does them)
  * and across the halves once, at the end.  reduce_lanes folds across the halves first, four times
- * (vperm2f128, 8 micro-ops on Zen 1), and permutes the result back into order: that took 14% of a
- * bfloat16 decode's dot_tile samples on a 2-core Zen 1 (EPYC family 23 model 1), in cache. */
+ * (vperm2f128, 8 micro-ops on Zen 1), and permutes the result back into order.  The 4-row bfloat16
+ * decode in cache ran 1.012x faster so on a 2-core Zen 1 (EPYC family 23 model 1), though the old
+ * reduction had 14% of dot_tile's samples (probably waiting on the FMAs before it). */
 template <typename V> static inline V pair_sums(V a, V b) {
     return __builtin_shufflevector(a, b, 0, 2, 8, 10, 4, 6, 12, 14) +
            __builtin_shufflevector(a, b, 1, 3, 9, 11, 5, 7, 13, 15);
