@@ -4,9 +4,11 @@ Backends see only two kinds of array: ``numpy.ndarray`` (host) and ``cupy.ndarra
 Everything else that speaks DLPack (PyTorch tensors, JAX arrays, ...) is viewed as one of those
 without a copy, and results are handed back in the caller's framework and on its device.
 
-bfloat16 is ``ml_dtypes.bfloat16`` on the host.  numpy cannot import a bfloat16 DLPack tensor, so a
-torch bfloat16 CPU tensor crosses as its int16 bit pattern and is re-viewed on the other side (still
-no copy).  Framework detection goes through ``array_api_compat``, which never imports a framework
+bfloat16 is ``ml_dtypes.bfloat16`` on the host, imported the first time a bfloat16 array or name
+is met, not by ``import fastattn`` (``import ml_dtypes`` took 1.4 s of a 1.6 s ``import fastattn``
+on a 2-core EPYC with numpy 2.4).  numpy cannot import a bfloat16 DLPack tensor, so a torch
+bfloat16 CPU tensor crosses as its int16 bit pattern and is re-viewed on the other side (still no
+copy).  Framework detection goes through ``array_api_compat``, which never imports a framework
 the caller has not imported already.
 """
 
@@ -18,12 +20,37 @@ from types import ModuleType
 from typing import Any, NamedTuple
 
 import array_api_compat
-import ml_dtypes
 import numpy as np
 
 from . import _dlpack
 
-bfloat16 = np.dtype(ml_dtypes.bfloat16)
+_bfloat16: np.dtype | None = None
+
+
+def bfloat16_dtype() -> np.dtype:
+    """Return numpy's bfloat16 dtype (``ml_dtypes.bfloat16``), importing ml_dtypes on first use."""
+    global _bfloat16
+    if _bfloat16 is None:
+        import ml_dtypes
+
+        _bfloat16 = np.dtype(ml_dtypes.bfloat16)
+    return _bfloat16
+
+
+def is_bfloat16(dtype: np.dtype) -> bool:
+    """Whether a numpy dtype is bfloat16, without importing ml_dtypes for the other dtypes.
+
+    ml_dtypes' types are of kind ``"V"``, numpy's floats of kind ``"f"``: only the former need the
+    comparison, and an array of one means its caller has imported ml_dtypes already.
+    """
+    return dtype.kind == "V" and dtype == bfloat16_dtype()
+
+
+def __getattr__(name: str) -> Any:
+    """``bfloat16``: the dtype of :func:`bfloat16_dtype`, made on first access."""
+    if name == "bfloat16":
+        return bfloat16_dtype()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 #: The input dtypes every backend is asked about, by name.
 SUPPORTED_DTYPES: tuple[str, ...] = ("float16", "bfloat16", "float32", "float64")
@@ -178,7 +205,7 @@ def _torch_to_native(tensor: Any, name: str) -> tuple[Any, ArrayOrigin]:
             f"{name}: expected a dense array of a supported dtype that DLPack can share, "
             f"received {describe_value(tensor)} ({type(error).__name__}: {error})"
         ) from error
-    return (native.view(bfloat16) if bits is not tensor else native), TORCH_CPU
+    return (native.view(bfloat16_dtype()) if bits is not tensor else native), TORCH_CPU
 
 
 def natives_of(arrays: dict[str, Any], labels: dict[str, str]) -> tuple[dict[str, Any], Any]:
@@ -219,14 +246,14 @@ def from_native(native: Any, origin: ArrayOrigin) -> Any:
     origin : ArrayOrigin
         As returned by :func:`to_native` for the caller's input.
     """
-    if origin is TORCH_CPU and native.dtype != bfloat16:  # the common torch case, first
+    if origin is TORCH_CPU and not is_bfloat16(native.dtype):  # the common torch case, first
         return _torch.from_numpy(native)
     if origin.framework in ("numpy", "cupy"):
         return native
     if origin.framework == "torch":  # _torch_to_native has imported torch
         if origin.device == "cuda":
             return _torch.from_dlpack(native)
-        if native.dtype == bfloat16:
+        if is_bfloat16(native.dtype):
             return _torch.from_numpy(native.view(np.int16)).view(_torch.bfloat16)
         return _torch.from_numpy(native)
     if origin.framework == "jax":
@@ -256,7 +283,7 @@ def dtype_name(dtype: Any) -> str:
 
 def numpy_dtype(name: str) -> np.dtype:
     """Return the numpy dtype for one of :data:`SUPPORTED_DTYPES`."""
-    return bfloat16 if name == "bfloat16" else np.dtype(name)
+    return bfloat16_dtype() if name == "bfloat16" else np.dtype(name)
 
 
 def accumulation_dtype(name: str) -> np.dtype:

@@ -199,7 +199,7 @@ def _torch_runner(device: str, q: Any, k: Any, v: Any, causal: bool) -> Callable
     if device == "cuda" and not torch.cuda.is_available():
         return "this torch build has no CUDA"
     def tensor(x: Any) -> Any:
-        if device == "cpu" and x.dtype == _arrays.bfloat16:  # numpy exports no bfloat16 DLPack
+        if device == "cpu" and _arrays.is_bfloat16(x.dtype):  # numpy exports no bfloat16 DLPack
             return torch.from_numpy(x.view(np.int16)).view(torch.bfloat16)
         return torch.from_dlpack(x)
 

@@ -14,7 +14,6 @@ from cpython.pycapsule cimport PyCapsule_GetPointer, PyCapsule_IsValid
 from cpython.ref cimport Py_INCREF
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint16_t, uint64_t
 
-import ml_dtypes
 import numpy as np
 
 cnp.import_array()
@@ -60,7 +59,7 @@ cdef int _MAX_AXES = 32
 cdef object _FLOAT16 = np.dtype(np.float16)
 cdef object _FLOAT32 = np.dtype(np.float32)
 cdef object _FLOAT64 = np.dtype(np.float64)
-cdef object _BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+cdef object _BFLOAT16 = None  # ml_dtypes' bfloat16, imported by the first bfloat16 tensor
 cdef object _BOOL = np.dtype(np.bool_)
 cdef object _INT8 = np.dtype(np.int8)
 cdef object _INT16 = np.dtype(np.int16)
@@ -71,10 +70,17 @@ cdef object _UINT8 = np.dtype(np.uint8)
 
 cdef object _numpy_dtype(DLDataType dtype):
     """The numpy dtype of a DLPack (type code, bits) viewed here, or None."""
+    global _BFLOAT16
     if dtype.code == _DL_FLOAT:
         return _FLOAT32 if dtype.bits == 32 else _FLOAT16 if dtype.bits == 16 else _FLOAT64 if dtype.bits == 64 else None
     if dtype.code == _DL_BFLOAT:
-        return _BFLOAT16 if dtype.bits == 16 else None
+        if dtype.bits != 16:
+            return None
+        if _BFLOAT16 is None:
+            from fastattn._arrays import bfloat16_dtype
+
+            _BFLOAT16 = bfloat16_dtype()
+        return _BFLOAT16
     if dtype.code == _DL_BOOL:
         return _BOOL if dtype.bits == 8 else None
     if dtype.code == _DL_INT:

@@ -503,3 +503,55 @@ def test_from_native_to_torch_keeps_strides_of_a_view() -> None:
     assert tensor.data_ptr() == buffer.ctypes.data
     assert tuple(tensor.stride()) == tuple(s // 4 for s in view.strides)
     np.testing.assert_array_equal(tensor.numpy(), view)
+
+
+#: A fresh interpreter: float32 calls (numpy, and torch where installed) leave ml_dtypes unimported;
+#: the first bfloat16 input (a torch tensor through the DLPack view, else a name) imports it and
+#: still gets a bfloat16 result that matches the float64 oracle.
+_LAZY_ML_DTYPES = """
+import json, sys
+import numpy as np
+import fastattn
+report = {"after_import": "ml_dtypes" in sys.modules}
+rng = np.random.default_rng(11)
+q, k, v = (rng.standard_normal((1, 2, 5, 8)).astype(np.float32) for _ in range(3))
+out = fastattn.attention(q, k, v, backend="cpu")
+try:
+    import torch
+except ImportError:
+    torch = None
+if torch is not None:
+    fastattn.attention(*(torch.from_numpy(x) for x in (q, k, v)), backend="cpu")
+report["after_float32"] = "ml_dtypes" in sys.modules
+if torch is not None:
+    result = fastattn.attention(*(torch.from_numpy(x).to(torch.bfloat16) for x in (q, k, v)), backend="cpu")
+    report["bf16_dtype"] = str(result.dtype)
+    values = result.float().numpy()
+else:
+    bf16 = fastattn._arrays.numpy_dtype("bfloat16")
+    result = fastattn.attention(q.astype(bf16), k.astype(bf16), v.astype(bf16), backend="cpu")
+    report["bf16_dtype"] = str(result.dtype)
+    values = result.astype(np.float32)
+q64, k64, v64 = (x.astype(np.float64) for x in (q, k, v))
+s = q64 @ k64.swapaxes(-1, -2) / np.sqrt(8)
+p = np.exp(s - s.max(-1, keepdims=True))
+expected = (p / p.sum(-1, keepdims=True)) @ v64
+report["bf16_error"] = float(np.abs(values - expected).max())
+report["after_bfloat16"] = "ml_dtypes" in sys.modules
+print(json.dumps(report))
+"""
+
+
+def test_ml_dtypes_is_imported_by_the_first_bfloat16_input_only() -> None:
+    import json
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-c", _LAZY_ML_DTYPES], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["after_import"] is False
+    assert report["after_float32"] is False
+    assert report["bf16_dtype"] in ("torch.bfloat16", "bfloat16")
+    assert report["bf16_error"] < 3e-2
+    assert report["after_bfloat16"] is True

@@ -336,7 +336,7 @@ cdef _empty(tuple shape, object dtype, int typenum, bint swap):
 
 
 cdef int _typenum(dtype):
-    return -1 if dtype == _arrays.bfloat16 else dtype.num
+    return -1 if _arrays.is_bfloat16(dtype) else dtype.num
 
 
 cdef char* _scratch(int slot, size_t size) except NULL:
