@@ -7,7 +7,8 @@
  *                             C6's shape (64 (b, kv head) items of 4096 keys, GQA 4, D 128; QUERIES
  *                             positions, 1 by default: 4 is C6q4's 16 rows an item), DTYPE float32,
  *                             bfloat16 or float16; PLACE "stream": every item once on 2 OpenMP
- *                             threads, back to back as bench_cpu.py times C6 (K and V 134-268 MB);
+ *                             threads, back to back as bench_cpu.py times C6 (K and V 134-268 MB,
+ *                             on huge pages as numpy gives them, HugePages);
  *                             "cache": 2 kv heads of 512 keys, one thread, 200 times a repeat (K and
  *                             V in L2: the arithmetic alone).  Prints ns a key (median).
  *   forward H S D CAUSAL REPS float32 forward of B 1, H heads, S positions and keys, head size D,
@@ -26,6 +27,7 @@
 #include <vector>
 
 #include <omp.h>
+#include <sys/mman.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -58,6 +60,28 @@ template <typename In> double as_double(In x) {
     else
         return to_float(x);
 }
+
+/* numpy asks the kernel for transparent huge pages on blocks of 4 MiB or more (madvise
+ * MADV_HUGEPAGE, where THP is "madvise"), and bench_cpu.py's K and V are numpy's: the decode's
+ * streamed K and V get the same here, so that their TLB misses and prefetch reach match the
+ * package's.  On a 2-core Zen 1 (EPYC family 23 model 1) 4 KiB pages made the float32 stream
+ * 1.4-1.6x slower (72-88 against 49-56 ns a key) and a plain 2-thread streaming read 1.3x slower
+ * (19.3 against 25 GB/s): the hardware prefetchers stop at each 4 KiB page. */
+template <typename T> struct HugePages {
+    typedef T value_type;
+    HugePages() = default;
+    template <typename U> HugePages(const HugePages<U>&) {}
+    T* allocate(size_t n) {
+        const size_t huge = size_t(2) << 20, bytes = (n * sizeof(T) + huge - 1) / huge * huge;
+        void* block = std::aligned_alloc(huge, bytes);
+        if (block == nullptr) throw std::bad_alloc();
+        if (bytes >= (size_t(4) << 20)) madvise(block, bytes, MADV_HUGEPAGE);
+        return static_cast<T*>(block);
+    }
+    void deallocate(T* block, size_t) { std::free(block); }
+};
+template <typename T, typename U> bool operator==(const HugePages<T>&, const HugePages<U>&) { return true; }
+template <typename T, typename U> bool operator!=(const HugePages<T>&, const HugePages<U>&) { return false; }
 
 double median(std::vector<double> values) {
     std::sort(values.begin(), values.end());
@@ -110,7 +134,8 @@ FwdParams params(int dtype, int64_t heads_kv, int64_t group, int64_t seq_q, int6
 template <typename In> void decode(int dtype, bool stream, int repeats, int64_t queries) {
     const int64_t group = 4, dim = 128, heads = stream ? 64 : 2, keys = stream ? 4096 : 512;
     const int calls = stream ? 1 : 200;
-    std::vector<In> q(heads * group * queries * dim), out(q.size()), k(heads * keys * dim), v(heads * keys * dim);
+    std::vector<In> q(heads * group * queries * dim), out(q.size());
+    std::vector<In, HugePages<In>> k(heads * keys * dim), v(heads * keys * dim);
     std::vector<float> lse(heads * group * queries);
     for (size_t i = 0; i < q.size(); ++i) q[i] = stored<In>(draw(i));
     for (size_t i = 0; i < k.size(); ++i) {

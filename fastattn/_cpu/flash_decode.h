@@ -258,13 +258,27 @@ template <typename T, typename In, int R> constexpr int64_t dot_value_passes(int
         return value_passes<T, kDotValueVectors<rows>>(Dv);
 }
 
+/* Value rows per call of between() in dot_values: 4 from AVX2 up, so that the prefetch walk's tests
+ * and branches come once per 4 rows' 4 x 8 FMAs, not beside every row's (C6's shape on a 2-core
+ * Zen 1, EPYC family 23 model 1, benchmarks/kernel_ab.py against 1 a row, paired medians at the
+ * avx2 level: streamed float32 1.021-1.042, bfloat16 1.012-1.016, float16 1.015-1.024, 8 rows
+ * float32 1.11; in cache float32 1.036, bfloat16 1.018; 8 a call gained nothing more).  The generic
+ * level (SSE pairs for each vector) measured 0.975-0.981 streamed with 4: 1 there.  The AVX-512
+ * levels take 4 unmeasured. */
+#if defined(__AVX2__)
+constexpr int kDotValueShare = 4;
+#else
+constexpr int kDotValueShare = 1;
+#endif
+
 /* O[r][:] += P[r][j] V[j][:] for R rows (O's rows Dv apart, P's N apart), kDotPassRows rows at a
- * time; between as add_weighted_values takes it. */
+ * time; between as add_weighted_values takes it, kDotValueShare rows a call. */
 template <typename T, typename In, int R, bool Pairs, typename Between>
 static void dot_values(T* o, int64_t Dv, const T* s, int64_t N, const In* v, int64_t v_stride, int64_t n, bool skip,
                        Between&& between) {
     constexpr int rows = kDotPassRows<T, In, R>;
-    add_weighted_values<T, In, rows, kDotValueVectors<rows>, Pairs>(o, Dv, s, N, 1, v, v_stride, n, skip, between);
+    add_weighted_values<T, In, rows, kDotValueVectors<rows>, Pairs, kDotValueShare>(o, Dv, s, N, 1, v, v_stride, n,
+                                                                                    skip, between);
     if constexpr (rows < R)
         dot_values<T, In, R - rows, Pairs>(o + rows * Dv, Dv, s + rows * N, N, v, v_stride, n, skip, between);
 }
@@ -292,7 +306,7 @@ static void dot_tile(const FwdParams& p, DotHead<T, R>& h, int64_t b, int64_t q0
     const In* v_rows = at<In>(p.v, b * p.v_stride[0] + h.kvh * p.v_stride[1] + kt * p.v_stride[2]);
     const int64_t k_row_stride = p.k_stride[2], v_row_stride = p.v_stride[2];
     /* issue(steps) hands over `steps` calls' share of `ahead`: D / L for a score block (R / RB blocks
-     * per L keys), 1 for each value row. */
+     * per L keys), 1 for each value row (kDotValueShare at a time). */
     const int64_t calls = std::max<int64_t>(1, R * (n / L) * (D / L) + dot_value_passes<T, In, R>(Dv) * n);
     const int64_t lines_per_call = (ahead.total_lines() + calls - 1) / calls;
     auto issue = [&](int64_t steps) __attribute__((always_inline)) { ahead.issue(lines_per_call * steps); };
