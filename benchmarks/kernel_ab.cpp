@@ -135,15 +135,20 @@ template <typename In> void decode(int dtype, bool stream, int repeats, int64_t 
     const int64_t group = 4, dim = 128, heads = stream ? 64 : 2, keys = stream ? 4096 : 512;
     const int calls = stream ? 1 : 200;
     std::vector<In> q(heads * group * queries * dim), out(q.size());
-    std::vector<In, HugePages<In>> k(heads * keys * dim), v(heads * keys * dim);
+    /* K and V 16 bytes past a line, as numpy places large arrays (its allocation header): rows of
+     * 128 elements then span one line more than they fill, as the package's do. */
+    const int64_t elements = heads * keys * dim, past_line = 16 / (int64_t)sizeof(In);
+    std::vector<In, HugePages<In>> k_memory(elements + past_line), v_memory(elements + past_line);
+    In* const k = k_memory.data() + past_line;
+    In* const v = v_memory.data() + past_line;
     std::vector<float> lse(heads * group * queries);
     for (size_t i = 0; i < q.size(); ++i) q[i] = stored<In>(draw(i));
-    for (size_t i = 0; i < k.size(); ++i) {
+    for (int64_t i = 0; i < elements; ++i) {
         k[i] = stored<In>(draw(i + q.size()));
-        v[i] = stored<In>(draw(i + q.size() + k.size()));
+        v[i] = stored<In>(draw(i + q.size() + elements));
     }
     int nonfinite = 0;
-    FwdParams p = params(dtype, heads, group, queries, keys, dim, queries, q.data(), k.data(), v.data(), out.data(),
+    FwdParams p = params(dtype, heads, group, queries, keys, dim, queries, q.data(), k, v, out.data(),
                          lse.data());
     p.nonfinite_output = &nonfinite;
     const int threads = stream ? 2 : 1;

@@ -308,7 +308,9 @@ static void dot_tile(const FwdParams& p, DotHead<T, R>& h, int64_t b, int64_t q0
     /* issue(steps) hands over `steps` calls' share of `ahead`: D / L for a score block (R / RB blocks
      * per L keys), 1 for each value row (kDotValueShare at a time). */
     const int64_t calls = std::max<int64_t>(1, R * (n / L) * (D / L) + dot_value_passes<T, In, R>(Dv) * n);
-    const int64_t lines_per_call = (ahead.total_lines() + calls - 1) / calls;
+    int64_t upfront;
+    const int64_t lines_per_call = prefetch_share(ahead.total_lines(), calls, &upfront);
+    ahead.issue(upfront);
     auto issue = [&](int64_t steps) __attribute__((always_inline)) { ahead.issue(lines_per_call * steps); };
 
     /* Scores: dot products along D.  Full blocks of L keys run as blocks of rows x keys whose L
