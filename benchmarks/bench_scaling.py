@@ -6,6 +6,12 @@ run, one timed run), and each count quotes its median; the speed-up of n threads
 at the lowest count over the median at n.  Interleaving in one process keeps a noisy neighbour or a
 clock change from landing on one thread count only, as it can between two separate runs.
 
+The machine's own scaling is timed in the same rounds: machine_ceilings.c's register-only FMA loop
+(bench_cpu's "fma peak"), the same total work split over each thread count.  A kernel bound by its
+FMAs cannot scale past it, and on a shared host it does not reach n: a 2-core VM whose second vCPU
+the host also runs elsewhere gives both the loop and the kernels a few percent less than 2x, and
+the kernels' speed-up over the loop's (``of the loop``) is what the code itself loses.
+
     python benchmarks/bench_scaling.py                          # 1 and all threads, C1-C5
     python benchmarks/bench_scaling.py --threads 1 2 4 --cases C1 C4
 """
@@ -20,7 +26,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from bench_cpu import CASES, implementations, interleaved_medians, machine_description, write_report
+from bench_cpu import (
+    CASES,
+    _machine_ceilings,
+    implementations,
+    interleaved_medians,
+    machine_description,
+    write_report,
+)
 
 import fastattn
 
@@ -33,6 +46,22 @@ def at_threads(count: int, run: Callable[[], Any]) -> Callable[[], Any]:
         return run()
 
     return call
+
+
+#: FMA-loop iterations a timing runs, split evenly over its threads: ~0.1 s on one 2.5 GHz core with
+#: 256-bit FMAs (machine_ceilings.c's 10 chains a step).
+FMA_LOOP_ITERATIONS = 2 * 10**7
+
+
+def fma_loop_runs(counts: list[int]) -> dict[str, Callable[[], Any]]:
+    """The register-only FMA loop at each thread count, the same total work each (none without a C
+    compiler: bench_cpu's machine_ceilings)."""
+    native = _machine_ceilings()
+    if native is None:
+        return {}
+    return {
+        f"FMA loop, {n} threads": (lambda n=n: native.fma_peak_gflops(FMA_LOOP_ITERATIONS // n, n)) for n in counts
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,18 +86,27 @@ def main(argv: list[str] | None = None) -> int:
             dout = rng.standard_normal(q.shape, dtype=np.float32)
             run = make(q, k, v, dout, causal)
             print(f"  {name} {direction}", file=sys.stderr, flush=True)
-            medians = interleaved_medians({f"{n} threads": at_threads(n, run) for n in counts}, arguments.repeats)
+            loop = fma_loop_runs(counts)
+            runs = {f"{n} threads": at_threads(n, run) for n in counts} | loop
+            medians = interleaved_medians(runs, arguments.repeats)
             base = medians[f"{counts[0]} threads"]
             for n in counts:
                 seconds = medians[f"{n} threads"]
-                rows.append({"case": name, "pass": direction, "threads": n, "median_ms": 1e3 * seconds,
-                             "speedup": base / seconds})
+                row = {"case": name, "pass": direction, "threads": n, "median_ms": 1e3 * seconds,
+                       "speedup": base / seconds}
+                if loop:
+                    row["fma_loop_speedup"] = medians[f"FMA loop, {counts[0]} threads"] / medians[f"FMA loop, {n} threads"]
+                    row["of_fma_loop"] = row["speedup"] / row["fma_loop_speedup"]
+                rows.append(row)
     machine = machine_description()
     print(f"CPU: {machine.get('model_name')} (family {machine.get('family')}, model {machine.get('model')}), "
           f"{machine['cores']} logical CPUs; fastattn level {machine['fastattn_isa']}")
-    print(f"{'case':<5} {'pass':<17} {'threads':>7} {'ms':>10} {'speed-up':>9}")
+    print(f"{'case':<5} {'pass':<17} {'threads':>7} {'ms':>10} {'speed-up':>9} {'FMA loop':>9} {'of the loop':>12}")
     for row in rows:
-        print(f"{row['case']:<5} {row['pass']:<17} {row['threads']:>7} {row['median_ms']:>10.2f} {row['speedup']:>8.2f}x")
+        line = f"{row['case']:<5} {row['pass']:<17} {row['threads']:>7} {row['median_ms']:>10.2f} {row['speedup']:>8.2f}x"
+        if "fma_loop_speedup" in row:
+            line += f" {row['fma_loop_speedup']:>8.2f}x {100 * row['of_fma_loop']:>11.0f}%"
+        print(line)
     write_report({"machine": machine, "threads": counts, "repeats": arguments.repeats, "rows": rows},
                  arguments.json, "scaling")
     return 0
