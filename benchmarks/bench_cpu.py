@@ -16,7 +16,9 @@ those ceilings; the JSON names the CPU (model, family, ISA flags) and the kernel
 ``--dtype bfloat16`` (or ``float16``) times the same cases in that dtype, against torch's SDPA in
 it, with torch's gemm in that dtype as the gemm ceiling, or sgemm where that is faster (numpy naive
 runs float32 only), and fastattn on the same inputs in float32 in the same rounds ("fastattn cpu
-float32"; the ratio "vs float32" is float32's time over the dtype's).
+float32"; the ratio "vs float32" is float32's time over the dtype's); its decodes also stream their
+bytes in the dtype, converting each vector to float32 and doing the FMAs ("read + convert + FMAs":
+what a kernel that converts each element once could reach; "of read+convert+FMAs").
 ``--masks`` times masked variants of the cases (see ``MASKS``): each interleaves the masked call with
 the same call unmasked and with torch's SDPA under the same mask (causal folded into it, as torch
 takes no mask together with ``is_causal``), and reports the masked / unmasked time.
@@ -299,6 +301,10 @@ def _machine_ceilings() -> Any:
     native.read_with_fmas_gbytes_per_s.argtypes = [
         ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_long, ctypes.c_int,
     ]
+    native.read_half_with_fmas_gbytes_per_s.restype = ctypes.c_double
+    native.read_half_with_fmas_gbytes_per_s.argtypes = [
+        ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_int,
+    ]
     return native
 
 
@@ -315,7 +321,14 @@ READ_AHEAD_BYTES = 16384
 #: little that 8 FMAs a 64-byte vector (a bfloat16 C6's) streamed at ~0.85 of the read and 32
 #: (C6q4's) at ~0.58, where the FMAs alone take 33% and 133% of the read's time at the FMA peak.
 STREAMING_READ_FMAS = "read + its FMAs"
-STREAMING_ROWS = (STREAMING_READ, STREAMING_READ_AHEAD, STREAMING_READ_FMAS)
+#: With a half-precision ``--dtype``, the row of a decode case that streams a buffer of its K and V
+#: in the dtype, converts each vector to float32 as the converting levels do (bfloat16: a shift and
+#: a mask; float16: F16C) and feeds every float vector the FMAs the case needs
+#: (``fmas_per_half_vector``): what a one-pass kernel that converts each element once could reach.
+#: Where the conversion takes the FMA pipes it is below "read + its FMAs" (2-core Zen 1, family 23
+#: model 1: a float16 C6's bytes in 11.5-15.0 ms against 7.9-9.0 without the conversion).
+STREAMING_READ_CONVERT_FMAS = "read + convert + FMAs"
+STREAMING_ROWS = (STREAMING_READ, STREAMING_READ_AHEAD, STREAMING_READ_FMAS, STREAMING_READ_CONVERT_FMAS)
 #: The row of a float32 compute case (Sq > DECODE_ROWS) that times the ceiling's sgemm in the case's
 #: own rounds (``same_round_sgemm``): its "of sgemm" is then measured under the same conditions.  The
 #: 2-core VMs' hosts slow everything by 10-40% for minutes at a time, and against the sgemm of the
@@ -341,6 +354,28 @@ def streaming_read(nbytes: int, threads: int, ahead_bytes: int = 0, fmas: int = 
     if fmas > 0:
         return lambda: native.read_with_fmas_gbytes_per_s(buffer.ctypes.data, buffer.size, threads, ahead_bytes, fmas)
     return lambda: native.read_gbytes_per_s(buffer.ctypes.data, buffer.size, threads, ahead_bytes)
+
+
+def converting_read(nbytes: int, dtype: str, threads: int, ahead_bytes: int, fmas: int) -> Callable[[], Any] | None:
+    """A runner of machine_ceilings.c's streaming walk over a fresh ``dtype`` (bfloat16 or float16)
+    buffer of ``nbytes``: each vector converted to float32, each float vector feeding ``fmas``
+    multiply-adds (None without the library, or for float16 where it was built without F16C)."""
+    native = _machine_ceilings()
+    if native is None:
+        return None
+    is_float16 = int(dtype == "float16")
+    buffer = np.full(nbytes // 2, 0x3C00 if is_float16 else 0x3F80, dtype=np.uint16)  # ones
+    if native.read_half_with_fmas_gbytes_per_s(buffer.ctypes.data, 4096, is_float16, 1, 0, 1) == 0.0:
+        return None
+    return lambda: native.read_half_with_fmas_gbytes_per_s(
+        buffer.ctypes.data, buffer.size, is_float16, threads, ahead_bytes, fmas
+    )
+
+
+def fmas_per_half_vector(flops: float, kv_bytes: int) -> int:
+    """The vector FMAs a decode's ``flops`` need per float32 vector converted from its ``kv_bytes``
+    of 16-bit K and V (L lanes hold 2 L bytes of them, an FMA does 2 L FLOPs), rounded, at least 1."""
+    return max(1, round(flops / kv_bytes))
 
 
 def fmas_per_vector(flops: float, kv_bytes: int) -> int:
@@ -528,6 +563,12 @@ def run_case(
             read = streaming_read(kv_bytes[label], fastattn.get_num_threads(), ahead, fmas)
             if read is not None:
                 runs[label] = read
+        if dtype != "float32":
+            label = STREAMING_READ_CONVERT_FMAS
+            read = converting_read(kv_bytes[label], dtype, fastattn.get_num_threads(), READ_AHEAD_BYTES,
+                                   fmas_per_half_vector(flops, kv_bytes[label]))
+            if read is not None:
+                runs[label] = read
     if sgemm is not None and seq_q > DECODE_ROWS:
         runs[SAME_ROUND_SGEMM] = sgemm
     medians = interleaved_medians(runs, repeats)
@@ -639,8 +680,9 @@ def format_table(rows: list[dict[str, Any]], ceiling: dict[str, float], dtype: s
 
 def summary(rows: list[dict[str, Any]]) -> dict[str, float]:
     """fastattn / torch time ratios per (case, pass); for masked cases, per mask, the masked /
-    unmasked time ("cost"); for decodes the share of the streaming read ("of read") and of the read
-    with the decode's FMAs ("of read+FMAs"); for half precisions float32's time over the dtype's ("vs
+    unmasked time ("cost"); for decodes the share of the streaming read ("of read"), of the read
+    with the decode's FMAs ("of read+FMAs") and, in half precision, of the read that also converts
+    ("of read+convert+FMAs"); for half precisions float32's time over the dtype's ("vs
     float32"); for cases with an sgemm in their rounds fastattn's GFLOP/s over its ("of sgemm");
     geomeans and minima over the unmasked C1-C5."""
     by_key = {(_key(r), r["implementation"]): r["median_ms"] for r in rows}
@@ -658,6 +700,8 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, float]:
             ratios[f"{name} of read"] = min(reads) / ms
         if label == "fastattn cpu" and (key, STREAMING_READ_FMAS) in by_key:
             ratios[f"{name} of read+FMAs"] = by_key[(key, STREAMING_READ_FMAS)] / ms
+        if label == "fastattn cpu" and (key, STREAMING_READ_CONVERT_FMAS) in by_key:
+            ratios[f"{name} of read+convert+FMAs"] = by_key[(key, STREAMING_READ_CONVERT_FMAS)] / ms
         if label == "fastattn cpu" and (key, FLOAT32_BASELINE) in by_key:
             ratios[f"{name} vs float32"] = by_key[(key, FLOAT32_BASELINE)] / ms
         if label == "fastattn cpu" and (key, SAME_ROUND_SGEMM) in rate:
