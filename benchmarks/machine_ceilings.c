@@ -237,11 +237,13 @@ double read_with_fmas_gbytes_per_s(const float* data, size_t count, int threads,
     return stream((const char*)data, count, FLOAT32, threads, ahead_bytes, fmas_per_vector);
 }
 
-/* `count` 16-bit elements at `data`; float16 (is_float16 != 0) or bfloat16. */
+/* `count` 16-bit elements at `data`; float16 (is_float16 != 0) or bfloat16; at least one FMA a
+ * vector (stream's plain sum reads float32). */
 double read_half_with_fmas_gbytes_per_s(const uint16_t* data, size_t count, int is_float16, int threads,
                                         long ahead_bytes, int fmas_per_vector) {
 #if !defined(__F16C__) && !defined(__AVX512F__)
     if (is_float16) return 0.0;
 #endif
-    return stream((const char*)data, count, is_float16 ? FLOAT16 : BFLOAT16, threads, ahead_bytes, fmas_per_vector);
+    return stream((const char*)data, count, is_float16 ? FLOAT16 : BFLOAT16, threads, ahead_bytes,
+                  fmas_per_vector < 1 ? 1 : fmas_per_vector);
 }
