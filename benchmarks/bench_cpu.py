@@ -324,9 +324,10 @@ STREAMING_READ_FMAS = "read + its FMAs"
 #: With a half-precision ``--dtype``, the row of a decode case that streams a buffer of its K and V
 #: in the dtype, converts each vector to float32 as the converting levels do (bfloat16: a shift and
 #: a mask; float16: F16C) and feeds every float vector the FMAs the case needs
-#: (``fmas_per_half_vector``): what a one-pass kernel that converts each element once could reach.
-#: Where the conversion takes the FMA pipes it is below "read + its FMAs" (2-core Zen 1, family 23
-#: model 1: a float16 C6's bytes in 11.5-15.0 ms against 7.9-9.0 without the conversion).
+#: (``fmas_per_vector`` of 2-byte elements): what a one-pass kernel that converts each element once
+#: could reach.  Where the conversion takes the FMA pipes it is below "read + its FMAs" (2-core Zen 1,
+#: family 23 model 1, results/cpu-2026-12-02-zen1-decode-float16.json: a float16 C6's bytes in 8.93
+#: ms against 7.37 without the conversion).
 STREAMING_READ_CONVERT_FMAS = "read + convert + FMAs"
 STREAMING_ROWS = (STREAMING_READ, STREAMING_READ_AHEAD, STREAMING_READ_FMAS, STREAMING_READ_CONVERT_FMAS)
 #: The row of a float32 compute case (Sq > DECODE_ROWS) that times the ceiling's sgemm in the case's
@@ -372,16 +373,11 @@ def converting_read(nbytes: int, dtype: str, threads: int, ahead_bytes: int, fma
     )
 
 
-def fmas_per_half_vector(flops: float, kv_bytes: int) -> int:
-    """The vector FMAs a decode's ``flops`` need per float32 vector converted from its ``kv_bytes``
-    of 16-bit K and V (L lanes hold 2 L bytes of them, an FMA does 2 L FLOPs), rounded, at least 1."""
-    return max(1, round(flops / kv_bytes))
-
-
-def fmas_per_vector(flops: float, kv_bytes: int) -> int:
-    """The vector FMAs a decode's ``flops`` need per float32 vector of its ``kv_bytes`` (any width: a
-    vector of L lanes holds 4 L bytes and an FMA does 2 L FLOPs), rounded, at least 1."""
-    return max(1, round(2 * flops / kv_bytes))
+def fmas_per_vector(flops: float, kv_bytes: int, element_bytes: int = 4) -> int:
+    """The vector FMAs a decode's ``flops`` need per float32 vector of its ``kv_bytes``, read as
+    elements of ``element_bytes`` (any width: L lanes hold L elements, an FMA does 2 L FLOPs; 2 for
+    a vector converted from bfloat16/float16), rounded, at least 1."""
+    return max(1, round(element_bytes * flops / (2 * kv_bytes)))
 
 
 def same_round_sgemm(torch: Any, ceiling: dict[str, float]) -> Callable[[], Any]:
@@ -566,7 +562,7 @@ def run_case(
         if dtype != "float32":
             label = STREAMING_READ_CONVERT_FMAS
             read = converting_read(kv_bytes[label], dtype, fastattn.get_num_threads(), READ_AHEAD_BYTES,
-                                   fmas_per_half_vector(flops, kv_bytes[label]))
+                                   fmas_per_vector(flops, kv_bytes[label], element_bytes=2))
             if read is not None:
                 runs[label] = read
     if sgemm is not None and seq_q > DECODE_ROWS:

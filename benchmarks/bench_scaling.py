@@ -76,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     arguments = parser.parse_args(argv)
     counts = sorted(set(arguments.threads))
     rows = []
+    loop = fma_loop_runs(counts)
     for direction in arguments.passes:
         make = implementations(None, direction)["fastattn cpu"]
         for name in arguments.cases:
@@ -86,7 +87,6 @@ def main(argv: list[str] | None = None) -> int:
             dout = rng.standard_normal(q.shape, dtype=np.float32)
             run = make(q, k, v, dout, causal)
             print(f"  {name} {direction}", file=sys.stderr, flush=True)
-            loop = fma_loop_runs(counts)
             runs = {f"{n} threads": at_threads(n, run) for n in counts} | loop
             medians = interleaved_medians(runs, arguments.repeats)
             base = medians[f"{counts[0]} threads"]
