@@ -263,8 +263,11 @@ template <typename T, typename In, int R> constexpr int64_t dot_value_passes(int
  * Zen 1, EPYC family 23 model 1, benchmarks/kernel_ab.py against 1 a row, paired medians at the
  * avx2 level: streamed float32 1.021-1.042, bfloat16 1.012-1.016, float16 1.015-1.024, 8 rows
  * float32 1.11; in cache float32 1.036, bfloat16 1.018; 8 a call gained nothing more).  The generic
- * level (SSE pairs for each vector) measured 0.975-0.981 streamed with 4: 1 there.  The AVX-512
- * levels take 4 unmeasured. */
+ * level (SSE pairs for each vector) measured 0.975-0.981 streamed with 4: 1 there.  At the avx512
+ * level on a 2-core Xeon (family 6 model 167), 4 against 1 a row, streamed, 8-10 paired rounds:
+ * bfloat16 1.026-1.030, float32 1.014, 8-row float32 0.972-0.981, float16 0.948-0.965; in cache
+ * float32 0.979, bfloat16 1.002.  Mixed within a few percent, so AVX-512 keeps AVX2's 4 rather than
+ * a constant per dtype fitted to one machine. */
 #if defined(__AVX2__)
 constexpr int kDotValueShare = 4;
 #else
