@@ -366,7 +366,8 @@ def converting_read(nbytes: int, dtype: str, threads: int, ahead_bytes: int, fma
         return None
     is_float16 = int(dtype == "float16")
     buffer = np.full(nbytes // 2, 0x3C00 if is_float16 else 0x3F80, dtype=np.uint16)  # ones
-    if native.read_half_with_fmas_gbytes_per_s(buffer.ctypes.data, 4096, is_float16, 1, 0, 1) == 0.0:
+    # Only float16 can be missing (no F16C): the library then returns 0 for any buffer.
+    if is_float16 and native.read_half_with_fmas_gbytes_per_s(buffer.ctypes.data, 4096, 1, 1, 0, 1) == 0.0:
         return None
     return lambda: native.read_half_with_fmas_gbytes_per_s(
         buffer.ctypes.data, buffer.size, is_float16, threads, ahead_bytes, fmas
