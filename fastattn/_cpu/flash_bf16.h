@@ -598,8 +598,16 @@ static void forward_block_dpbf16(const FwdParams& p, char* scratch, int64_t b, i
  *                           c16-19, c24-27 | c4-7, ...], which the rescales ignore and the end undoes.
  * On a 2-core Zen 5 (K and V in cache, one thread) this reads 34 GB/s where the version that
  * interleaved V through memory and took K once per row read 20: that version, not the memory, set
- * the decode's pace.  Every step also issues a few lines of the next tile's prefetches
- * (DotKernel's SpreadPrefetch; without them the decode from DRAM runs at half the speed).
+ * the decode's pace.
+ * Prefetch (RowPrefetch): where the head's next tile follows this one in memory (K and V rows one
+ * run, as (B, H, S, D) lays them: forward_head's items), each K or V line the products load
+ * prefetches, into L2, the same line a key tile on, so that the prefetches go out as fast as the
+ * products consume lines, never faster.  The walk DotKernel takes (SpreadPrefetch: the next tile's
+ * lines handed out over the tile's steps) goes out as fast as the products run, and these
+ * products, with K and V in L2, run twice as fast as the memory streams: on a 2-core Zen 4 (EPYC
+ * family 25 model 17), where PREFETCHT1 fills L2 and drops prefetches the L2 cannot take, the
+ * decode on that walk streamed C6 at 53% of the read, its arithmetic and its misses one after the
+ * other (benchmarks/README.md, 2026-12-02 Zen 4).  Other layouts keep the walk.
  * Taken when: bfloat16, D and Dv multiples of 32, key_tile of 32, no rerun that skips zero weights.
  */
 static bool dpbf16_decode_applies(const FwdParams& p, int64_t rows) {
@@ -607,11 +615,31 @@ static bool dpbf16_decode_applies(const FwdParams& p, int64_t rows) {
            !p.skip_zero_weights;
 }
 
+/* The prefetches of a tile's K or V rows (see above): for a line at row j and column c (elements),
+ * the line a key tile on (`ahead` rows: the line the next tile will load in its place); rows
+ * `stride` elements apart, `rows` of them in this tile and the head's next together.  The callers
+ * test reaches() once per block of rows.  Zen 4, C6's shape streamed (128-key tiles,
+ * benchmarks/kernel_ab.py, paired medians against the walk): 1.14x; half a tile or two tiles on
+ * instead, 0.996x and 0.93x of that; a second prefetch a quarter tile on beside it (for a line the
+ * first lost) 1.04x more streamed, but with K and V in L2 the two cost 0.75x where one cost 0.86x
+ * (tested a line at a time; once a block, one costs 0.98x), so not taken. */
+struct RowPrefetch {
+    const uint16_t* first;
+    int64_t stride, rows, ahead;
+    /* Whether rows up to `last` have a row `ahead` on to prefetch. */
+    bool reaches(int64_t last) const { return last + ahead < rows; }
+    __attribute__((always_inline)) inline void issue(int64_t j, int64_t c) const {
+        __builtin_prefetch(first + (j + ahead) * stride + c, 0, 2);
+    }
+};
+
 /* s[r][u] = scale * q[r] . k[u] for RB rows (q's rows D apart) and KB = 16 / RB keys (k's rows
- * k_stride apart); s's rows N apart. */
+ * k_stride apart); s's rows N apart.  With `ahead` (the first row group's pass over the tile), each
+ * key line loaded prefetches its own (RowPrefetch), the keys j0 .. j0 + KB of the tile. */
 template <int RB, typename Between>
 static inline void decode_scores_block(const uint16_t* q, int64_t D, const uint16_t* k, int64_t k_stride, float* s,
-                                       int64_t N, __m512 scale, Between&& between) {
+                                       int64_t N, __m512 scale, const RowPrefetch* ahead, int64_t j0,
+                                       Between&& between) {
     constexpr int KB = 16 / RB;
     __m512 acc[16];
     FASTATTN_UNROLL for (int u = 0; u < 16; ++u) acc[u] = _mm512_setzero_ps();
@@ -619,6 +647,8 @@ static inline void decode_scores_block(const uint16_t* q, int64_t D, const uint1
         between();
         __m512bh keys[KB];
         FASTATTN_UNROLL for (int u = 0; u < KB; ++u) keys[u] = (__m512bh)_mm512_loadu_si512(k + u * k_stride + d);
+        if (ahead != nullptr)
+            FASTATTN_UNROLL for (int u = 0; u < KB; ++u) ahead->issue(j0 + u, d);
         FASTATTN_UNROLL for (int r = 0; r < RB; ++r) {
             const __m512bh query = (__m512bh)_mm512_loadu_si512(q + r * D + d);
             FASTATTN_UNROLL for (int u = 0; u < KB; ++u) acc[r * KB + u] = _mm512_dpbf16_ps(acc[r * KB + u], keys[u], query);
@@ -633,12 +663,13 @@ static inline void decode_scores_block(const uint16_t* q, int64_t D, const uint1
 /* The scores of RB rows for the tile's n keys: blocks of KB keys, then one key at a time. */
 template <int RB, typename Between>
 static void decode_scores_rows(const uint16_t* q, int64_t D, const uint16_t* k, int64_t k_stride, int64_t n, float* s,
-                               int64_t N, float scale, Between&& between) {
+                               int64_t N, float scale, const RowPrefetch* ahead, Between&& between) {
     constexpr int KB = 16 / RB;
     const __m512 scales = _mm512_set1_ps(scale);
     int64_t j = 0;
     for (; j + KB <= n; j += KB)
-        decode_scores_block<RB>(q, D, k + j * k_stride, k_stride, s + j, N, scales, between);
+        decode_scores_block<RB>(q, D, k + j * k_stride, k_stride, s + j, N, scales,
+                                ahead != nullptr && ahead->reaches(j + KB - 1) ? ahead : nullptr, j, between);
     for (; j < n; ++j)
         for (int r = 0; r < RB; ++r) {
             __m512 acc = _mm512_setzero_ps();
@@ -649,23 +680,31 @@ static void decode_scores_rows(const uint16_t* q, int64_t D, const uint16_t* k, 
         }
 }
 
-/* All R rows' scores: groups of 4 rows, then 2, then 1. */
+/* All R rows' scores: groups of 4 rows, then 2, then 1; the first group's pass prefetches (`ahead`,
+ * or none). */
 template <int R, typename Between>
 static void decode_scores(const uint16_t* q, int64_t D, const uint16_t* k, int64_t k_stride, int64_t n, float* s,
-                          int64_t N, float scale, Between&& between) {
+                          int64_t N, float scale, const RowPrefetch* ahead, Between&& between) {
     constexpr int fours = R / 4 * 4, twos = fours + (R - fours) / 2 * 2;
     for (int r = 0; r < fours; r += 4)
-        decode_scores_rows<4>(q + r * D, D, k, k_stride, n, s + r * N, N, scale, between);
-    if (twos > fours) decode_scores_rows<2>(q + fours * D, D, k, k_stride, n, s + fours * N, N, scale, between);
-    if (R > twos) decode_scores_rows<1>(q + twos * D, D, k, k_stride, n, s + twos * N, N, scale, between);
+        decode_scores_rows<4>(q + r * D, D, k, k_stride, n, s + r * N, N, scale, r == 0 ? ahead : nullptr, between);
+    if (twos > fours)
+        decode_scores_rows<2>(q + fours * D, D, k, k_stride, n, s + fours * N, N, scale, fours == 0 ? ahead : nullptr,
+                              between);
+    if (R > twos)
+        decode_scores_rows<1>(q + twos * D, D, k, k_stride, n, s + twos * N, N, scale, twos == 0 ? ahead : nullptr,
+                              between);
 }
 
 /* O[r][c .. c + 16 NV) += sum_j P[r][j] V[j][c ..) over the tile's n keys, a pair of keys a step
  * (an odd n's last pair: V[n] zero, P[n] zero from round_probability_rows); O in the interleaved
- * column order (see above), rows Dv apart. */
+ * column order (see above), rows Dv apart.  With `ahead` (the first pass over the tile's V), each
+ * step prefetches, for its two rows, every line of the row (RowPrefetch; `lines` a row, 32 elements
+ * apart), so that the later passes, on other columns, find their lines asked for. */
 template <int R, int NV, typename Between>
 static inline void decode_values(const uint16_t* probabilities, int64_t N, const uint16_t* v, int64_t v_stride,
-                                 int64_t n, float* o, int64_t Dv, Between&& between) {
+                                 int64_t n, float* o, int64_t Dv, const RowPrefetch* ahead, int64_t lines,
+                                 Between&& between) {
     static_assert(NV % 2 == 0, "O is held in whole 32-column chunks");
     __m512 acc[R][NV];
     FASTATTN_UNROLL for (int r = 0; r < R; ++r)
@@ -673,6 +712,11 @@ static inline void decode_values(const uint16_t* probabilities, int64_t N, const
     for (int64_t j = 0; j < n; j += 2) {
         between();
         const bool pair = j + 1 < n;
+        if (ahead != nullptr && ahead->reaches(j + 1))
+            for (int64_t line = 0; line < lines; ++line) {
+                ahead->issue(j, 32 * line);
+                ahead->issue(j + 1, 32 * line);
+            }
         __m512bh values[NV];
         FASTATTN_UNROLL for (int c = 0; c < NV / 2; ++c) {
             const __m512i even = _mm512_loadu_si512(v + j * v_stride + 32 * c);
@@ -748,17 +792,30 @@ template <int R> struct PairKernel {
         float* o = h.buffers.o;
         const uint16_t* k = at<uint16_t>(p.k, b * p.k_stride[0] + h.kvh * p.k_stride[1] + kt * p.k_stride[2]);
         const uint16_t* v = at<uint16_t>(p.v, b * p.v_stride[0] + h.kvh * p.v_stride[1] + kt * p.v_stride[2]);
+        /* The head's next tile follows this one (one run of rows each for K and V, the next
+         * tile's first line right after this tile's last): RowPrefetch, else the walk. */
+        const bool rows_follow = ahead.runs && ahead.keys > 0 &&
+                                 ahead.k == reinterpret_cast<const char*>(k + n * p.k_stride[2]) &&
+                                 ahead.v == reinterpret_cast<const char*>(v + n * p.v_stride[2]);
+        const int64_t row_bytes = p.k_stride[2] * (int64_t)sizeof(uint16_t);
+        const int64_t rows = n + (rows_follow ? (ahead.k_end - ahead.k) / row_bytes : 0);
+        const RowPrefetch k_ahead{k, p.k_stride[2], rows, N}, v_ahead{v, p.v_stride[2], rows, N};
         const int64_t calls = std::max<int64_t>(1, R * (n / 16) * (D / 32) + pairs * (Dv / (16 * NV)));
-        const int64_t lines_per_call = (ahead.total_lines() + calls - 1) / calls;
+        const int64_t lines_per_call = rows_follow ? 0 : (ahead.total_lines() + calls - 1) / calls;
         auto issue = [&]() __attribute__((always_inline)) { ahead.issue(lines_per_call); };
+        const RowPrefetch* k_rows = rows_follow ? &k_ahead : nullptr;
+        const RowPrefetch* v_rows = rows_follow ? &v_ahead : nullptr;
+        const int64_t v_lines = (Dv * 2 + 63) / 64;
 
-        decode_scores<R>(h.buffers.qb, D, k, p.k_stride[2], n, s, N, (float)p.scale, issue);
+        decode_scores<R>(h.buffers.qb, D, k, p.k_stride[2], n, s, N, (float)p.scale, k_rows, issue);
         softmax_rows<float>(p, s, N, R, n, kt, b, h.kvh, q0, qn, h.head, h.query, h.position, h.row_max, h.row_sum, o);
         round_probability_rows(s, N, R, n, round_up(2 * pairs, 16), h.buffers.pb); /* an odd n's key n: 0 */
         for (int64_t c = 0; c < dv_main; c += 16 * NV)
-            decode_values<R, NV>(h.buffers.pb, N, v + c, p.v_stride[2], n, o + c, Dv, issue);
+            decode_values<R, NV>(h.buffers.pb, N, v + c, p.v_stride[2], n, o + c, Dv, c == 0 ? v_rows : nullptr,
+                                 v_lines, issue);
         for (int64_t c = dv_main; c < Dv; c += 32)
-            decode_values<R, 2>(h.buffers.pb, N, v + c, p.v_stride[2], n, o + c, Dv, issue);
+            decode_values<R, 2>(h.buffers.pb, N, v + c, p.v_stride[2], n, o + c, Dv,
+                                c == 0 ? v_rows : nullptr, v_lines, issue);
     }
 
     static void finish(const FwdParams& p, const Head& h, int64_t b, float* partial_out, float* partial_lse) {
