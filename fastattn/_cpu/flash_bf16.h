@@ -629,7 +629,7 @@ struct RowPrefetch {
     /* Whether rows up to `last` have a row `ahead` on to prefetch. */
     bool reaches(int64_t last) const { return last + ahead < rows; }
     __attribute__((always_inline)) inline void issue(int64_t j, int64_t c) const {
-        __builtin_prefetch(first + (j + ahead) * stride + c, 0, 2);
+        SpreadPrefetch<uint16_t>::fetch(reinterpret_cast<const char*>(first + (j + ahead) * stride + c));
     }
 };
 
@@ -793,11 +793,12 @@ template <int R> struct PairKernel {
         const uint16_t* k = at<uint16_t>(p.k, b * p.k_stride[0] + h.kvh * p.k_stride[1] + kt * p.k_stride[2]);
         const uint16_t* v = at<uint16_t>(p.v, b * p.v_stride[0] + h.kvh * p.v_stride[1] + kt * p.v_stride[2]);
         /* The head's next tile follows this one (one run of rows each for K and V, the next
-         * tile's first line right after this tile's last): RowPrefetch, else the walk. */
-        const bool rows_follow = ahead.runs && ahead.keys > 0 &&
+         * tile's first line right after this tile's last; `ahead` holds this head's rows, not a
+         * share of a head group's token rows, whose k_stride is 0): RowPrefetch, else the walk. */
+        const int64_t row_bytes = p.k_stride[2] * (int64_t)sizeof(uint16_t);
+        const bool rows_follow = ahead.runs && ahead.k_stride == row_bytes &&
                                  ahead.k == reinterpret_cast<const char*>(k + n * p.k_stride[2]) &&
                                  ahead.v == reinterpret_cast<const char*>(v + n * p.v_stride[2]);
-        const int64_t row_bytes = p.k_stride[2] * (int64_t)sizeof(uint16_t);
         const int64_t rows = n + (rows_follow ? (ahead.k_end - ahead.k) / row_bytes : 0);
         const RowPrefetch k_ahead{k, p.k_stride[2], rows, N}, v_ahead{v, p.v_stride[2], rows, N};
         const int64_t calls = std::max<int64_t>(1, R * (n / 16) * (D / 32) + pairs * (Dv / (16 * NV)));
