@@ -528,7 +528,7 @@ static void forward_block_amx(const FwdParams& p, char* scratch, int64_t b, int6
             tile_scores(k, split ? 2 * D : p.k_stride[2], n, buffers.qb, D, s, mp, buffers.k_block, split ? D : 0,
                         split ? mp * D : 0);
         }
-        scores_to_pairs(p, buffers, packer, b, kvh, q0, qn, mp, kt, n);
+        scores_to_pairs(p, buffers, packer, b, kvh, q0, qn, mp, kt, n, false);
         tile_output(vt, steps, buffers.pb, N, (n + 31) / 32, Dv, o, mp, split ? N * Dv : 0, split ? N * mp : 0);
     }
     _tile_release();

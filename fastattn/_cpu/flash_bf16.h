@@ -19,7 +19,9 @@
  *   O^T[c][rows] += V^T P^T    P in column pairs, rounded to bfloat16 as the GPU kernels do (the row
  *                              sums take the float32 P): Pb[row tile][N/2][16][2], packed by the
  *                              softmax as it computes P; V in row pairs, packed per key tile
- *                              (an interleave, no transpose), pair (V[2i][c], V[2i+1][c]) broadcast.
+ *                              (an interleave, no transpose), pair (V[2i][c], V[2i+1][c]) broadcast;
+ *                              one row tile (9-16 rows) keeps O by rows instead, V as it lies
+ *                              (decode_values; see "one work item").
  * Q is not pre-scaled (a bfloat16 Q times scale would round again): the scale rides in the softmax's
  * exponent, or, where masks or softcap need scaled scores, one pass scales S first.
  *
@@ -395,11 +397,11 @@ static void hide_band_bits(const Band& band, BandEdges edges, const float* posit
 }
 
 /* One key tile's S^T (n keys from kt, unscaled, in buffers.s) to P in column pairs (packer), the
- * keys from n up to the next multiple of 32 zero: edges and masks, the online softmax (O^T rescaled),
- * dropout.  Masks and softcap see scaled scores, so S is scaled first for them, unless the softmax
+ * keys from n up to the next multiple of 32 zero: edges and masks, the online softmax (O^T rescaled,
+ * or O's rows with o_by_row), dropout.  Masks and softcap see scaled scores, so S is scaled first for them, unless the softmax
  * takes the mask; otherwise the scale rides in the softmax's exponent. */
 static void scores_to_pairs(const FwdParams& p, const PairBuffers& buffers, const PackProbabilities& packer, int64_t b,
-                            int64_t kvh, int64_t q0, int64_t qn, int64_t mp, int64_t kt, int64_t n) {
+                            int64_t kvh, int64_t q0, int64_t qn, int64_t mp, int64_t kt, int64_t n, bool o_by_row) {
     const int64_t rows = p.group * qn, Dv = p.head_dim_v;
     float* s = buffers.s;
     if (softmax_takes_mask(p, q0, qn, kt, n)) {
@@ -409,18 +411,18 @@ static void scores_to_pairs(const FwdParams& p, const PairBuffers& buffers, cons
             full_mask_bits(p, b, kvh, q0, qn, rows, mp, kt, n, buffers.mask_rows);
             if (edges.any()) hide_band_bits(band, edges, buffers.position, mp, kt, n, buffers.mask_rows);
             online_softmax<float>(s, n, mp, buffers.row_max, buffers.row_sum, buffers.o, Dv, (float)p.scale, packer,
-                                  false, RowsHidden{buffers.mask_rows, n});
+                                  o_by_row, RowsHidden{buffers.mask_rows, n});
         } else if (!mask_rows_shared(p)) {
             full_mask_words(p, b, kvh, q0, qn, rows, mp, kt, n, buffers.mask_rows);
-            online_softmax<float>(s, n, mp, buffers.row_max, buffers.row_sum, buffers.o, Dv, 1.0f, packer, false,
+            online_softmax<float>(s, n, mp, buffers.row_max, buffers.row_sum, buffers.o, Dv, 1.0f, packer, o_by_row,
                                   RowsBiased{buffers.mask_rows, (n + 1) / 2, (float)p.scale});
         } else {
             shared_mask_values<float>(p, b, kvh, q0, qn, kt, n, buffers.key_mask);
             if (p.mask_kind == MASK_BOOL)
                 online_softmax<float>(s, n, mp, buffers.row_max, buffers.row_sum, buffers.o, Dv, (float)p.scale,
-                                      packer, false, KeysHidden<float>{buffers.key_mask});
+                                      packer, o_by_row, KeysHidden<float>{buffers.key_mask});
             else
-                online_softmax<float>(s, n, mp, buffers.row_max, buffers.row_sum, buffers.o, Dv, 1.0f, packer, false,
+                online_softmax<float>(s, n, mp, buffers.row_max, buffers.row_sum, buffers.o, Dv, 1.0f, packer, o_by_row,
                                       KeysBiased<float>{buffers.key_mask, (float)p.scale});
         }
         packer.zero_tail(n, mp);
@@ -431,11 +433,11 @@ static void scores_to_pairs(const FwdParams& p, const PairBuffers& buffers, cons
     const float score_scale = scale_first ? 1.0f : (float)p.scale;
     if (p.dropout_p > 0) {
         online_softmax<float>(s, n, mp, buffers.row_max, buffers.row_sum, buffers.o, Dv, score_scale,
-                              StoreProbabilities<float>{s, n, mp});
+                              StoreProbabilities<float>{s, n, mp}, o_by_row);
         dropout_tile<float>(p, s, mp, 1, rows, n, kt, b, kvh, q0, qn, false);
         packer.pack(s, n, mp);
     } else {
-        online_softmax<float>(s, n, mp, buffers.row_max, buffers.row_sum, buffers.o, Dv, score_scale, packer);
+        online_softmax<float>(s, n, mp, buffers.row_max, buffers.row_sum, buffers.o, Dv, score_scale, packer, o_by_row);
         packer.zero_tail(n, mp);
     }
 }
@@ -532,55 +534,6 @@ static bool dpbf16_forward_applies(const FwdParams& p, int64_t rows) {
            rows > kDotMaxRows;
 }
 
-/* ---- one work item --------------------------------------------------------------------------------- */
-
-static void forward_block_dpbf16(const FwdParams& p, char* scratch, int64_t b, int64_t kvh, int64_t q0, int64_t qn,
-                                 int64_t k_begin, int64_t k_end, float* partial_out, float* partial_lse) {
-    const int64_t D = p.head_dim, Dv = p.head_dim_v, N = p.key_tile;
-    const int64_t rows = p.group * qn;
-    PairBuffers buffers;
-    buffers.carve(p, scratch);
-    const int64_t mp = start_pairs_item(p, buffers, b, kvh, q0, qn);
-    float* s = buffers.s;
-    float* o = buffers.o;
-
-    int64_t lo, hi;
-    visible_keys(p, b, q0, qn, k_begin, k_end, &lo, &hi);
-    const PackProbabilities packer{buffers.pb, N, interleave_halves_index()};
-    for (int64_t kt = lo; kt < hi; kt += N) {
-        const int64_t n = std::min(N, hi - kt);
-        if (p.mask_kind != MASK_NONE && mask_hides_tile(p, b, kvh, q0, qn, kt, n)) continue;
-        const uint16_t* k = at<uint16_t>(p.k, b * p.k_stride[0] + kvh * p.k_stride[1] + kt * p.k_stride[2]);
-        const uint16_t* v = at<uint16_t>(p.v, b * p.v_stride[0] + kvh * p.v_stride[1] + kt * p.v_stride[2]);
-
-        /* S^T = K Q^T, the next tile's K and V rows and this tile's mask lines prefetched a few at a
-         * time on the way. */
-        const int64_t next_n = kt + N < hi ? std::min(N, hi - kt - N) : 0;
-        SpreadPrefetch<uint16_t> ahead(p, b, kvh, kt + N, next_n);
-        MaskPrefetch mask_lines(p, b, kvh, q0, qn, rows, kt, n);
-        const int64_t calls = std::max<int64_t>(1, (mp + 31) / 32 * (n / kPairsMR));
-        const int64_t lines_per_call = (ahead.total_lines() + calls - 1) / calls;
-        const int64_t mask_lines_per_call = (mask_lines.total_lines() + calls - 1) / calls;
-        if (mask_lines.total_lines() > 0) {
-            pairs_dot_tiles<false>(n, k, p.k_stride[2], 2, buffers.qb, D * 16, D / 2, s, mp, [&] {
-                ahead.issue(lines_per_call);
-                mask_lines.issue(mask_lines_per_call);
-            });
-        } else { /* without the mask's cursor in the products' loop */
-            pairs_dot_tiles<false>(n, k, p.k_stride[2], 2, buffers.qb, D * 16, D / 2, s, mp,
-                                   [&] { ahead.issue(lines_per_call); });
-        }
-        scores_to_pairs(p, buffers, packer, b, kvh, q0, qn, mp, kt, n);
-
-        /* O^T += V^T P^T over the tile's pairs of keys; an odd n's last pair: P[n] = 0, V[n] zero. */
-        const int64_t key_pairs = (n + 1) / 2;
-        auto value_row = [&](int64_t j) -> const uint16_t* { return j < n ? v + j * p.v_stride[2] : nullptr; };
-        pack_row_pairs(value_row, 2 * key_pairs, Dv, buffers.vt);
-        pairs_dot_tiles<true>(Dv, buffers.vt, 2, 2 * Dv, buffers.pb, N * 16, key_pairs, o, mp, [] {});
-    }
-    write_rows(p, b, kvh, q0, qn, rows, mp, o, buffers.row_max, buffers.row_sum, partial_out, partial_lse);
-}
-
 /* ---- decode: a few rows ------------------------------------------------------------------------------
  *
  * With rows <= kDotMaxRows the vector path, DotKernel, converts every K and V element to
@@ -632,6 +585,20 @@ struct RowPrefetch {
         SpreadPrefetch<uint16_t>::fetch(reinterpret_cast<const char*>(first + (j + ahead) * stride + c));
     }
 };
+
+/* The rows a RowPrefetch over this tile's K and V (n rows at k and v) spans: the tile's and the
+ * head's next tile's, where that tile follows this one in memory (one run of rows each for K and V,
+ * the next tile's first line right after this tile's last; `next`, the walk over the next tile,
+ * holds this head's rows, not a share of a head group's token rows, whose k_stride is 0); 0 where
+ * it does not, and the walk prefetches. */
+static int64_t prefetch_rows(const FwdParams& p, const SpreadPrefetch<uint16_t>& next, const uint16_t* k,
+                             const uint16_t* v, int64_t n) {
+    const int64_t row_bytes = p.k_stride[2] * (int64_t)sizeof(uint16_t);
+    const bool follows = next.runs && next.k_stride == row_bytes &&
+                         next.k == reinterpret_cast<const char*>(k + n * p.k_stride[2]) &&
+                         next.v == reinterpret_cast<const char*>(v + n * p.v_stride[2]);
+    return follows ? n + (next.k_end - next.k) / row_bytes : 0;
+}
 
 /* s[r][u] = scale * q[r] . k[u] for RB rows (q's rows D apart) and KB = 16 / RB keys (k's rows
  * k_stride apart); s's rows N apart.  With `ahead` (the first row group's pass over the tile), each
@@ -696,14 +663,26 @@ static void decode_scores(const uint16_t* q, int64_t D, const uint16_t* k, int64
                               between);
 }
 
+/* The V lines a decode_values step prefetches a tile on (RowPrefetch `rows`; none where null): of
+ * the step's keys j and j + 1, rows j + first .. j + first + count - 1, `lines` lines each from
+ * column `column` (elements; lines 32 elements apart). */
+struct ValuePrefetch {
+    const RowPrefetch* rows;
+    int first, count;
+    int64_t column, lines;
+};
+
 /* O[r][c .. c + 16 NV) += sum_j P[r][j] V[j][c ..) over the tile's n keys, a pair of keys a step
- * (an odd n's last pair: V[n] zero, P[n] zero from round_probability_rows); O in the interleaved
- * column order (see above), rows Dv apart.  With `ahead` (the first pass over the tile's V), each
- * step prefetches, for its two rows, every line of the row (RowPrefetch; `lines` a row, 32 elements
- * apart), so that the later passes, on other columns, find their lines asked for. */
+ * (an odd n's last pair: V[n] zero, P[n] zero); P[r][j], bfloat16, at probabilities + r * row_step
+ * + j * key_step, keys j and j + 1 (j even) side by side: round_probability_rows' rows (N, 1), or
+ * the forward's P in column pairs (2, 16); O in the interleaved column order (see above), rows Dv
+ * apart.  Each step prefetches `ahead`'s lines: the lines it loads, a tile on (PairKernel, both
+ * rows; the forward's 16 rows, one row a pass).  PairKernel's first pass once prefetched every
+ * line of both rows, a burst the later passes did not share: spread over the passes, 1.065x
+ * streamed and 1.02x in L2 (2-core Zen 4, C6's shape, benchmarks/kernel_ab.py). */
 template <int R, int NV, typename Between>
-static inline void decode_values(const uint16_t* probabilities, int64_t N, const uint16_t* v, int64_t v_stride,
-                                 int64_t n, float* o, int64_t Dv, const RowPrefetch* ahead, int64_t lines,
+static inline void decode_values(const uint16_t* probabilities, int64_t row_step, int64_t key_step, const uint16_t* v,
+                                 int64_t v_stride, int64_t n, float* o, int64_t Dv, const ValuePrefetch& ahead,
                                  Between&& between) {
     static_assert(NV % 2 == 0, "O is held in whole 32-column chunks");
     __m512 acc[R][NV];
@@ -712,11 +691,9 @@ static inline void decode_values(const uint16_t* probabilities, int64_t N, const
     for (int64_t j = 0; j < n; j += 2) {
         between();
         const bool pair = j + 1 < n;
-        if (ahead != nullptr && ahead->reaches(j + 1))
-            for (int64_t line = 0; line < lines; ++line) {
-                ahead->issue(j, 32 * line);
-                ahead->issue(j + 1, 32 * line);
-            }
+        if (ahead.rows != nullptr && ahead.rows->reaches(j + 1))
+            for (int u = ahead.first; u < ahead.first + ahead.count; ++u)
+                for (int64_t line = 0; line < ahead.lines; ++line) ahead.rows->issue(j + u, ahead.column + 32 * line);
         __m512bh values[NV];
         FASTATTN_UNROLL for (int c = 0; c < NV / 2; ++c) {
             const __m512i even = _mm512_loadu_si512(v + j * v_stride + 32 * c);
@@ -725,7 +702,7 @@ static inline void decode_values(const uint16_t* probabilities, int64_t N, const
             values[2 * c + 1] = (__m512bh)_mm512_unpackhi_epi16(even, odd);
         }
         FASTATTN_UNROLL for (int r = 0; r < R; ++r) {
-            const __m512bh weights = broadcast_pair(probabilities + r * N + j);
+            const __m512bh weights = broadcast_pair(probabilities + r * row_step + j * key_step);
             FASTATTN_UNROLL for (int i = 0; i < NV; ++i) acc[r][i] = _mm512_dpbf16_ps(acc[r][i], values[i], weights);
         }
     }
@@ -792,31 +769,25 @@ template <int R> struct PairKernel {
         float* o = h.buffers.o;
         const uint16_t* k = at<uint16_t>(p.k, b * p.k_stride[0] + h.kvh * p.k_stride[1] + kt * p.k_stride[2]);
         const uint16_t* v = at<uint16_t>(p.v, b * p.v_stride[0] + h.kvh * p.v_stride[1] + kt * p.v_stride[2]);
-        /* The head's next tile follows this one (one run of rows each for K and V, the next
-         * tile's first line right after this tile's last; `ahead` holds this head's rows, not a
-         * share of a head group's token rows, whose k_stride is 0): RowPrefetch, else the walk. */
-        const int64_t row_bytes = p.k_stride[2] * (int64_t)sizeof(uint16_t);
-        const bool rows_follow = ahead.runs && ahead.k_stride == row_bytes &&
-                                 ahead.k == reinterpret_cast<const char*>(k + n * p.k_stride[2]) &&
-                                 ahead.v == reinterpret_cast<const char*>(v + n * p.v_stride[2]);
-        const int64_t rows = n + (rows_follow ? (ahead.k_end - ahead.k) / row_bytes : 0);
+        /* RowPrefetch where the head's next tile follows this one, else the walk. */
+        const int64_t rows = prefetch_rows(p, ahead, k, v, n);
+        const bool rows_follow = rows > 0;
         const RowPrefetch k_ahead{k, p.k_stride[2], rows, N}, v_ahead{v, p.v_stride[2], rows, N};
         const int64_t calls = std::max<int64_t>(1, R * (n / 16) * (D / 32) + pairs * (Dv / (16 * NV)));
         const int64_t lines_per_call = rows_follow ? 0 : (ahead.total_lines() + calls - 1) / calls;
         auto issue = [&]() __attribute__((always_inline)) { ahead.issue(lines_per_call); };
         const RowPrefetch* k_rows = rows_follow ? &k_ahead : nullptr;
         const RowPrefetch* v_rows = rows_follow ? &v_ahead : nullptr;
-        const int64_t v_lines = (Dv * 2 + 63) / 64;
 
         decode_scores<R>(h.buffers.qb, D, k, p.k_stride[2], n, s, N, (float)p.scale, k_rows, issue);
         softmax_rows<float>(p, s, N, R, n, kt, b, h.kvh, q0, qn, h.head, h.query, h.position, h.row_max, h.row_sum, o);
         round_probability_rows(s, N, R, n, round_up(2 * pairs, 16), h.buffers.pb); /* an odd n's key n: 0 */
         for (int64_t c = 0; c < dv_main; c += 16 * NV)
-            decode_values<R, NV>(h.buffers.pb, N, v + c, p.v_stride[2], n, o + c, Dv, c == 0 ? v_rows : nullptr,
-                                 v_lines, issue);
+            decode_values<R, NV>(h.buffers.pb, N, 1, v + c, p.v_stride[2], n, o + c, Dv,
+                                 ValuePrefetch{v_rows, 0, 2, c, NV / 2}, issue);
         for (int64_t c = dv_main; c < Dv; c += 32)
-            decode_values<R, 2>(h.buffers.pb, N, v + c, p.v_stride[2], n, o + c, Dv,
-                                c == 0 ? v_rows : nullptr, v_lines, issue);
+            decode_values<R, 2>(h.buffers.pb, N, 1, v + c, p.v_stride[2], n, o + c, Dv,
+                                ValuePrefetch{v_rows, 0, 2, c, 1}, issue);
     }
 
     static void finish(const FwdParams& p, const Head& h, int64_t b, float* partial_out, float* partial_lse) {
@@ -850,6 +821,95 @@ static void forward_heads_dpbf16(const FwdParams& p, char* scratch, const ItemIn
         FASTATTN_DECODE_CASE(5) FASTATTN_DECODE_CASE(6) FASTATTN_DECODE_CASE(7) FASTATTN_DECODE_CASE(8)
 #undef FASTATTN_DECODE_CASE
         default: break;
+    }
+}
+
+/* ---- one work item ---------------------------------------------------------------------------------
+ *
+ * One row tile (mp = 16: 9-16 rows, a decode's draft positions or a small GQA group's) keeps O by
+ * rows, O[r][Dv], and takes V as it lies, its rows interleaved in registers by decode_values (8 rows
+ * of O and 32 columns in registers, two passes over each 32-column strip of the tile's V: the
+ * second from L1), P broadcast from the packer's column pairs.  The V^T P^T product would pack V's
+ * rows first, a pass of loads and stores with no arithmetic to hide the loads' misses in, whose
+ * 32 KB (D 128, 128 keys) fill the L1 for every 16 rows. */
+constexpr int kValuesRows = 8;
+
+static void forward_block_dpbf16(const FwdParams& p, char* scratch, int64_t b, int64_t kvh, int64_t q0, int64_t qn,
+                                 int64_t k_begin, int64_t k_end, float* partial_out, float* partial_lse) {
+    const int64_t D = p.head_dim, Dv = p.head_dim_v, N = p.key_tile;
+    const int64_t rows = p.group * qn;
+    PairBuffers buffers;
+    buffers.carve(p, scratch);
+    const int64_t mp = start_pairs_item(p, buffers, b, kvh, q0, qn);
+    const bool o_by_row = mp == 16;
+    const int64_t k_lines = (D * 2 + 63) / 64;
+    float* s = buffers.s;
+    float* o = buffers.o;
+
+    int64_t lo, hi;
+    visible_keys(p, b, q0, qn, k_begin, k_end, &lo, &hi);
+    const PackProbabilities packer{buffers.pb, N, interleave_halves_index()};
+    for (int64_t kt = lo; kt < hi; kt += N) {
+        const int64_t n = std::min(N, hi - kt);
+        if (p.mask_kind != MASK_NONE && mask_hides_tile(p, b, kvh, q0, qn, kt, n)) continue;
+        const uint16_t* k = at<uint16_t>(p.k, b * p.k_stride[0] + kvh * p.k_stride[1] + kt * p.k_stride[2]);
+        const uint16_t* v = at<uint16_t>(p.v, b * p.v_stride[0] + kvh * p.v_stride[1] + kt * p.v_stride[2]);
+
+        /* S^T = K Q^T, the next tile's K and V rows and this tile's mask lines prefetched a few at a
+         * time on the way: with O by rows, where the head's next tile follows, each block of keys
+         * the scores take and each V row the values take prefetches its rows a tile on
+         * (RowPrefetch, as the decode's); otherwise the walk. */
+        const int64_t next_n = kt + N < hi ? std::min(N, hi - kt - N) : 0;
+        SpreadPrefetch<uint16_t> ahead(p, b, kvh, kt + N, next_n);
+        MaskPrefetch mask_lines(p, b, kvh, q0, qn, rows, kt, n);
+        const int64_t row_span = o_by_row ? prefetch_rows(p, ahead, k, v, n) : 0;
+        const RowPrefetch k_ahead{k, p.k_stride[2], row_span, N}, v_ahead{v, p.v_stride[2], row_span, N};
+        const int64_t calls = std::max<int64_t>(1, (mp + 31) / 32 * (n / kPairsMR));
+        const int64_t lines_per_call = row_span > 0 ? 0 : (ahead.total_lines() + calls - 1) / calls;
+        const int64_t mask_lines_per_call = (mask_lines.total_lines() + calls - 1) / calls;
+        int64_t block = 0; /* the key block the scores take next (mp 16: one row tile, between() before each) */
+        auto prefetch = [&]() __attribute__((always_inline)) {
+            if (row_span > 0 && k_ahead.reaches(block + kPairsMR - 1))
+                for (int u = 0; u < kPairsMR; ++u)
+                    for (int64_t line = 0; line < k_lines; ++line) k_ahead.issue(block + u, 32 * line);
+            block += kPairsMR;
+            ahead.issue(lines_per_call);
+        };
+        if (mask_lines.total_lines() > 0) {
+            pairs_dot_tiles<false>(n, k, p.k_stride[2], 2, buffers.qb, D * 16, D / 2, s, mp, [&] {
+                prefetch();
+                mask_lines.issue(mask_lines_per_call);
+            });
+        } else { /* without the mask's cursor in the products' loop */
+            pairs_dot_tiles<false>(n, k, p.k_stride[2], 2, buffers.qb, D * 16, D / 2, s, mp, prefetch);
+        }
+        scores_to_pairs(p, buffers, packer, b, kvh, q0, qn, mp, kt, n, o_by_row);
+
+        /* O += P V, or O^T += V^T P^T, over the tile's pairs of keys; an odd n's last pair: P[n] = 0,
+         * V[n] zero. */
+        if (o_by_row) {
+            for (int64_t c = 0; c < Dv; c += 32)
+                for (int64_t r = 0; r < mp; r += kValuesRows)
+                    decode_values<kValuesRows, 2>(buffers.pb + 2 * r, 2, 16, v + c, p.v_stride[2], n, o + r * Dv + c,
+                                                  Dv,
+                                                  ValuePrefetch{row_span > 0 ? &v_ahead : nullptr,
+                                                                (int)(r / kValuesRows), 1, c, 1},
+                                                  [] {});
+            continue;
+        }
+        const int64_t key_pairs = (n + 1) / 2;
+        auto value_row = [&](int64_t j) -> const uint16_t* { return j < n ? v + j * p.v_stride[2] : nullptr; };
+        pack_row_pairs(value_row, 2 * key_pairs, Dv, buffers.vt);
+        pairs_dot_tiles<true>(Dv, buffers.vt, 2, 2 * Dv, buffers.pb, N * 16, key_pairs, o, mp, [] {});
+    }
+    if (!o_by_row) {
+        write_rows(p, b, kvh, q0, qn, rows, mp, o, buffers.row_max, buffers.row_sum, partial_out, partial_lse);
+        return;
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+        deinterleave_columns(o + r * Dv, Dv);
+        write_row<float, bfloat16_bits>(p, b, kvh * p.group + r / qn, q0 + r % qn, r, o + r * Dv, buffers.row_max[r],
+                                        buffers.row_sum[r], partial_out, partial_lse);
     }
 }
 

@@ -157,8 +157,15 @@ template <typename In> struct SpreadPrefetch {
         return keys * (k_lines + v_lines);
     }
 
-    /* One line into L2 (see above). */
-    static inline void fetch(const char* line) { __builtin_prefetch(line, 0, 2); }
+    /* One line into L2 (see above).  Always inlined: GCC 12's mod/ref analysis (-fipa-modref) takes
+     * a function whose only statement is __builtin_prefetch for one with no effect, and deletes the
+     * calls to it that stay out of line.  Where this function stayed out of line it deleted every
+     * prefetch of forward_block_dpbf16's walk and of its row prefetches (the disassembly held 3 of
+     * their 22; -fno-ipa-modref, or this attribute, kept all 22; PairKernel<4>::tile held 8, now
+     * 20), and the 16-row bfloat16 decode streamed C6's shape 1.47x slower without them (2-core
+     * Zen 4, benchmarks/kernel_ab.py).  Every prefetch goes through this function or
+     * MaskPrefetch::issue (always inlined, the builtin in its body). */
+    __attribute__((always_inline)) static inline void fetch(const char* line) { __builtin_prefetch(line, 0, 2); }
 
     /* The next `count` lines (K, then V: whole runs, or row after row, key after key); nothing once
      * all are asked for. */
