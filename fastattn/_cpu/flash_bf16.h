@@ -398,8 +398,8 @@ static void hide_band_bits(const Band& band, BandEdges edges, const float* posit
 
 /* One key tile's S^T (n keys from kt, unscaled, in buffers.s) to P in column pairs (packer), the
  * keys from n up to the next multiple of 32 zero: edges and masks, the online softmax (O^T rescaled,
- * or O's rows with o_by_row), dropout.  Masks and softcap see scaled scores, so S is scaled first for them, unless the softmax
- * takes the mask; otherwise the scale rides in the softmax's exponent. */
+ * or O's rows with o_by_row), dropout.  Masks and softcap see scaled scores, so S is scaled first
+ * for them, unless the softmax takes the mask; otherwise the scale rides in the softmax's exponent. */
 static void scores_to_pairs(const FwdParams& p, const PairBuffers& buffers, const PackProbabilities& packer, int64_t b,
                             int64_t kvh, int64_t q0, int64_t qn, int64_t mp, int64_t kt, int64_t n, bool o_by_row) {
     const int64_t rows = p.group * qn, Dv = p.head_dim_v;
@@ -721,6 +721,19 @@ static inline void deinterleave_columns(float* o, int64_t Dv) {
     }
 }
 
+/* Normalise and write `rows` rows of O held by rows (o + r * Dv, decode_values' column order: undone
+ * here, in place), row r of head heads[r] at query queries[r]; write_row's conventions. */
+static void write_rows_by_row(const FwdParams& p, int64_t b, const int64_t* heads, const int64_t* queries, int64_t rows,
+                              float* o, const float* row_max, const float* row_sum, float* partial_out,
+                              float* partial_lse) {
+    const int64_t Dv = p.head_dim_v;
+    for (int64_t r = 0; r < rows; ++r) {
+        deinterleave_columns(o + r * Dv, Dv);
+        write_row<float, bfloat16_bits>(p, b, heads[r], queries[r], r, o + r * Dv, row_max[r], row_sum[r],
+                                        partial_out, partial_lse);
+    }
+}
+
 /* One kv head's rows of a `vdpbf16ps` decode item: its buffers (PairBuffers, carved from its room)
  * and the running softmax. */
 template <int R> struct PairHead {
@@ -791,12 +804,7 @@ template <int R> struct PairKernel {
     }
 
     static void finish(const FwdParams& p, const Head& h, int64_t b, float* partial_out, float* partial_lse) {
-        const int64_t Dv = p.head_dim_v;
-        for (int r = 0; r < R; ++r) {
-            deinterleave_columns(h.buffers.o + r * Dv, Dv);
-            write_row<float, bfloat16_bits>(p, b, h.head[r], h.query[r], r, h.buffers.o + r * Dv, h.row_max[r],
-                                            h.row_sum[r], partial_out, partial_lse);
-        }
+        write_rows_by_row(p, b, h.head, h.query, R, h.buffers.o, h.row_max, h.row_sum, partial_out, partial_lse);
     }
 };
 
@@ -906,11 +914,12 @@ static void forward_block_dpbf16(const FwdParams& p, char* scratch, int64_t b, i
         write_rows(p, b, kvh, q0, qn, rows, mp, o, buffers.row_max, buffers.row_sum, partial_out, partial_lse);
         return;
     }
+    int64_t heads[16], queries[16]; /* O by rows: one row tile, at most 16 rows */
     for (int64_t r = 0; r < rows; ++r) {
-        deinterleave_columns(o + r * Dv, Dv);
-        write_row<float, bfloat16_bits>(p, b, kvh * p.group + r / qn, q0 + r % qn, r, o + r * Dv, buffers.row_max[r],
-                                        buffers.row_sum[r], partial_out, partial_lse);
+        heads[r] = kvh * p.group + r / qn;
+        queries[r] = q0 + r % qn;
     }
+    write_rows_by_row(p, b, heads, queries, rows, o, buffers.row_max, buffers.row_sum, partial_out, partial_lse);
 }
 
 }  // namespace FASTATTN_ISA_NAMESPACE
