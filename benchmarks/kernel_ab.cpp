@@ -10,7 +10,10 @@
  *                             threads, back to back as bench_cpu.py times C6 (K and V 134-268 MB,
  *                             on huge pages as numpy gives them, HugePages);
  *                             "cache": 2 kv heads of 512 keys, one thread, 200 times a repeat (K and
- *                             V in L2: the arithmetic alone).  Prints ns a key (median).
+ *                             V in L2: the arithmetic alone); "l3": 16 kv heads of 1024 keys on 2
+ *                             threads, 20 times a repeat (K and V 8-16 MB: in L3 after the first
+ *                             call, out of both L2s, as a short context's cache lies when each
+ *                             decode step reads it again).  Prints ns a key (median).
  *   forward H S D CAUSAL REPS float32 forward of B 1, H heads, S positions and keys, head size D,
  *                             on one thread, 64 query rows an item and 128-key tiles as the planner
  *                             takes them.  Prints GFLOP/s (median).
@@ -131,9 +134,13 @@ FwdParams params(int dtype, int64_t heads_kv, int64_t group, int64_t seq_q, int6
     return p;
 }
 
-template <typename In> void decode(int dtype, bool stream, int repeats, int64_t queries) {
-    const int64_t group = 4, dim = 128, heads = stream ? 64 : 2, keys = stream ? 4096 : 512;
-    const int calls = stream ? 1 : 200;
+/* Where decode's K and V lie while it reads them (see the usage above). */
+enum class Place { stream, cache, l3 };
+
+template <typename In> void decode(int dtype, Place place, int repeats, int64_t queries) {
+    const bool stream = place == Place::stream, l3 = place == Place::l3;
+    const int64_t group = 4, dim = 128, heads = stream ? 64 : l3 ? 16 : 2, keys = stream ? 4096 : l3 ? 1024 : 512;
+    const int calls = stream ? 1 : l3 ? 20 : 200;
     std::vector<In> q(heads * group * queries * dim), out(q.size());
     /* K and V 16 bytes past a line, as numpy places large arrays (its allocation header): rows of
      * 128 elements then span one line more than they fill, as the package's do. */
@@ -151,7 +158,7 @@ template <typename In> void decode(int dtype, bool stream, int repeats, int64_t 
     FwdParams p = params(dtype, heads, group, queries, keys, dim, queries, q.data(), k, v, out.data(),
                          lse.data());
     p.nonfinite_output = &nonfinite;
-    const int threads = stream ? 2 : 1;
+    const int threads = place == Place::cache ? 1 : 2;
     std::vector<std::vector<char>> scratch(threads, std::vector<char>(4 << 20)); /* kept, as the package keeps it */
     std::vector<double> times;
     for (int r = 0; r < repeats; ++r) {
@@ -197,7 +204,7 @@ void forward(int64_t heads, int64_t positions, int64_t dim, bool causal, int rep
 }
 
 int usage() {
-    std::fprintf(stderr, "usage: kernel_ab decode float32|bfloat16|float16 stream|cache REPS [QUERIES]\n"
+    std::fprintf(stderr, "usage: kernel_ab decode float32|bfloat16|float16 stream|cache|l3 REPS [QUERIES]\n"
                          "       kernel_ab forward H S D CAUSAL(0|1) REPS\n");
     return 2;
 }
@@ -218,13 +225,14 @@ int main(int argc, char** argv) {
         const int repeats = std::atoi(argv[4]);
         const int64_t queries = argc == 6 ? std::atoi(argv[5]) : 1;
         if (queries < 1) return usage();
-        if (place != "stream" && place != "cache") return usage();
+        if (place != "stream" && place != "cache" && place != "l3") return usage();
+        const Place where = place == "stream" ? Place::stream : place == "cache" ? Place::cache : Place::l3;
         if (dtype == "float32")
-            decode<float>(DTYPE_FLOAT32, place == "stream", repeats, queries);
+            decode<float>(DTYPE_FLOAT32, where, repeats, queries);
         else if (dtype == "bfloat16")
-            decode<bfloat16_bits>(DTYPE_BFLOAT16, place == "stream", repeats, queries);
+            decode<bfloat16_bits>(DTYPE_BFLOAT16, where, repeats, queries);
         else if (dtype == "float16")
-            decode<half_bits>(DTYPE_FLOAT16, place == "stream", repeats, queries);
+            decode<half_bits>(DTYPE_FLOAT16, where, repeats, queries);
         else
             return usage();
         return 0;
