@@ -134,13 +134,17 @@ FwdParams params(int dtype, int64_t heads_kv, int64_t group, int64_t seq_q, int6
     return p;
 }
 
-/* Where decode's K and V lie while it reads them (see the usage above). */
-enum class Place { stream, cache, l3 };
+/* Where decode's K and V lie while it reads them (see the usage above): the kv heads and keys that
+ * put them there, the calls a repeat and the threads. */
+struct Place {
+    int64_t heads, keys;
+    int calls, threads;
+};
+constexpr Place kStream{64, 4096, 1, 2}, kCache{2, 512, 200, 1}, kL3{16, 1024, 20, 2};
 
-template <typename In> void decode(int dtype, Place place, int repeats, int64_t queries) {
-    const bool stream = place == Place::stream, l3 = place == Place::l3;
-    const int64_t group = 4, dim = 128, heads = stream ? 64 : l3 ? 16 : 2, keys = stream ? 4096 : l3 ? 1024 : 512;
-    const int calls = stream ? 1 : l3 ? 20 : 200;
+template <typename In> void decode(int dtype, const Place& place, int repeats, int64_t queries) {
+    const int64_t group = 4, dim = 128, heads = place.heads, keys = place.keys;
+    const int calls = place.calls, threads = place.threads;
     std::vector<In> q(heads * group * queries * dim), out(q.size());
     /* K and V 16 bytes past a line, as numpy places large arrays (its allocation header): rows of
      * 128 elements then span one line more than they fill, as the package's do. */
@@ -158,7 +162,6 @@ template <typename In> void decode(int dtype, Place place, int repeats, int64_t 
     FwdParams p = params(dtype, heads, group, queries, keys, dim, queries, q.data(), k, v, out.data(),
                          lse.data());
     p.nonfinite_output = &nonfinite;
-    const int threads = place == Place::cache ? 1 : 2;
     std::vector<std::vector<char>> scratch(threads, std::vector<char>(4 << 20)); /* kept, as the package keeps it */
     std::vector<double> times;
     for (int r = 0; r < repeats; ++r) {
@@ -226,7 +229,7 @@ int main(int argc, char** argv) {
         const int64_t queries = argc == 6 ? std::atoi(argv[5]) : 1;
         if (queries < 1) return usage();
         if (place != "stream" && place != "cache" && place != "l3") return usage();
-        const Place where = place == "stream" ? Place::stream : place == "cache" ? Place::cache : Place::l3;
+        const Place& where = place == "stream" ? kStream : place == "cache" ? kCache : kL3;
         if (dtype == "float32")
             decode<float>(DTYPE_FLOAT32, where, repeats, queries);
         else if (dtype == "bfloat16")
