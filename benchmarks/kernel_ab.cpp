@@ -14,9 +14,13 @@
  *                             threads, 20 times a repeat (K and V 8-16 MB: in L3 after the first
  *                             call, out of both L2s, as a short context's cache lies when each
  *                             decode step reads it again).  Prints ns a key (median).
- *   forward H S D CAUSAL REPS float32 forward of B 1, H heads, S positions and keys, head size D,
- *                             on one thread, 64 query rows an item and 128-key tiles as the planner
- *                             takes them.  Prints GFLOP/s (median).
+ *   forward H S D CAUSAL REPS [MASK [THREADS [DTYPE]]]
+ *                             forward of B 1, H heads, S positions and keys, head size D, in DTYPE
+ *                             (float32 by default, bfloat16 or float16), 64 query rows an item and
+ *                             128-key tiles as the planner takes them, on THREADS OpenMP threads (1
+ *                             by default); MASK "float" or "bool" adds a full (1, H, S, S) mask (a
+ *                             random bias in DTYPE, or ~10% of keys hidden at random), "none" (the
+ *                             default) none.  Prints GFLOP/s (median).
  *
  * Every line also prints a checksum of the output, which two trees that should agree bit for bit
  * must print alike. */
@@ -26,7 +30,9 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include <omp.h>
@@ -181,34 +187,83 @@ template <typename In> void decode(int dtype, const Place& place, int repeats, i
     std::printf("%.3f ns a key  checksum %.9g\n", median(times) / (heads * keys) * 1e9, checksum);
 }
 
-void forward(int64_t heads, int64_t positions, int64_t dim, bool causal, int repeats) {
-    std::vector<float> q(heads * positions * dim), k(q.size()), v(q.size()), out(q.size()), lse(heads * positions);
-    for (size_t i = 0; i < q.size(); ++i) {
-        q[i] = draw(i);
-        k[i] = draw(i + q.size());
-        v[i] = draw(i + 2 * q.size());
+/* The mask kind of a float mask in the inputs' dtype In. */
+template <typename In> constexpr int float_mask_kind() {
+    return std::is_same<In, float>::value ? MASK_FLOAT32 : std::is_same<In, bfloat16_bits>::value ? MASK_BFLOAT16 : MASK_FLOAT16;
+}
+
+/* A full (1, H, S, S) mask of `kind` ("float": values in [-1, 1) in the inputs' dtype In, as
+ * bench_cpu.py's float-full; "bool": ~10% of keys hidden at random positions, its bool-full), its
+ * keys contiguous, or none ("none"). */
+template <typename In> struct FullMask {
+    std::vector<In, HugePages<In>> values; /* on huge pages, as numpy gives a mask this large */
+    std::vector<uint8_t, HugePages<uint8_t>> visible;
+    int kind = MASK_NONE;
+
+    FullMask(const std::string& name, int64_t elements, uint64_t seed) {
+        if (name == "float") {
+            kind = float_mask_kind<In>();
+            values.resize(elements);
+            for (int64_t i = 0; i < elements; ++i) values[i] = stored<In>(draw(i + seed));
+        } else if (name == "bool") {
+            kind = MASK_BOOL;
+            visible.resize(elements);
+            for (int64_t i = 0; i < elements; ++i) visible[i] = draw(i + seed) >= -0.8f;
+        } else if (name != "none") {
+            throw std::invalid_argument("mask: none, float or bool");
+        }
     }
+
+    void apply(FwdParams& p, int64_t heads, int64_t positions) const {
+        p.mask_kind = kind;
+        if (kind == MASK_NONE) return;
+        p.mask = kind == MASK_BOOL ? reinterpret_cast<const char*>(visible.data())
+                                   : reinterpret_cast<const char*>(values.data());
+        p.mask_stride[0] = heads * positions * positions;
+        p.mask_stride[1] = positions * positions;
+        p.mask_stride[2] = positions;
+        p.mask_stride[3] = 1;
+    }
+};
+
+template <typename In>
+void forward(int dtype, int64_t heads, int64_t positions, int64_t dim, bool causal, int repeats,
+             const std::string& mask_name, int threads) {
+    std::vector<In> q(heads * positions * dim), k(q.size()), v(q.size()), out(q.size());
+    std::vector<float> lse(heads * positions);
+    for (size_t i = 0; i < q.size(); ++i) {
+        q[i] = stored<In>(draw(i));
+        k[i] = stored<In>(draw(i + q.size()));
+        v[i] = stored<In>(draw(i + 2 * q.size()));
+    }
+    const FullMask<In> mask(mask_name, heads * positions * positions, 3 * q.size());
     int nonfinite = 0;
-    FwdParams p = params(DTYPE_FLOAT32, heads, 1, positions, positions, dim, 64, q.data(), k.data(), v.data(),
-                         out.data(), lse.data());
+    FwdParams p = params(dtype, heads, 1, positions, positions, dim, 64, q.data(), k.data(), v.data(), out.data(),
+                         lse.data());
     p.causal = causal;
     p.nonfinite_output = &nonfinite;
-    std::vector<char> scratch(8 << 20);
+    mask.apply(p, heads, positions);
+    std::vector<std::vector<char>> scratch(threads, std::vector<char>(8 << 20));
     std::vector<double> times;
     for (int r = 0; r < repeats; ++r) {
         const auto start = std::chrono::steady_clock::now();
-        for (int64_t item = 0; item < forward_items(p); ++item) run_item<float, float>(p, scratch.data(), item);
+#pragma omp parallel num_threads(threads)
+        {
+            char* own = scratch[omp_get_thread_num()].data();
+#pragma omp for schedule(dynamic)
+            for (int64_t item = 0; item < forward_items(p); ++item) run_item<float, In>(p, own, item);
+        }
         times.push_back(seconds(start));
     }
     const double flops = 4.0 * heads * positions * positions * dim / (causal ? 2 : 1);
     double checksum = 0;
-    for (float x : out) checksum += x;
+    for (const In& x : out) checksum += as_double(x);
     std::printf("%.2f GFLOP/s  checksum %.9g\n", flops / median(times) / 1e9, checksum);
 }
 
 int usage() {
     std::fprintf(stderr, "usage: kernel_ab decode float32|bfloat16|float16 stream|cache|l3 REPS [QUERIES]\n"
-                         "       kernel_ab forward H S D CAUSAL(0|1) REPS\n");
+                         "       kernel_ab forward H S D CAUSAL(0|1) REPS [none|float|bool [THREADS [DTYPE]]]\n");
     return 2;
 }
 
@@ -240,8 +295,21 @@ int main(int argc, char** argv) {
             return usage();
         return 0;
     }
-    if (argc == 7 && std::string(argv[1]) == "forward") {
-        forward(std::atoi(argv[2]), std::atoi(argv[3]), std::atoi(argv[4]), std::atoi(argv[5]) != 0, std::atoi(argv[6]));
+    if (argc >= 7 && argc <= 10 && std::string(argv[1]) == "forward") {
+        const std::string mask = argc >= 8 ? argv[7] : "none", dtype = argc == 10 ? argv[9] : "float32";
+        const int threads = argc >= 9 ? std::atoi(argv[8]) : 1;
+        if ((mask != "none" && mask != "float" && mask != "bool") || threads < 1) return usage();
+        const int64_t heads = std::atoi(argv[2]), positions = std::atoi(argv[3]), dim = std::atoi(argv[4]);
+        const bool causal = std::atoi(argv[5]) != 0;
+        const int repeats = std::atoi(argv[6]);
+        if (dtype == "float32")
+            forward<float>(DTYPE_FLOAT32, heads, positions, dim, causal, repeats, mask, threads);
+        else if (dtype == "bfloat16")
+            forward<bfloat16_bits>(DTYPE_BFLOAT16, heads, positions, dim, causal, repeats, mask, threads);
+        else if (dtype == "float16")
+            forward<half_bits>(DTYPE_FLOAT16, heads, positions, dim, causal, repeats, mask, threads);
+        else
+            return usage();
         return 0;
     }
     return usage();

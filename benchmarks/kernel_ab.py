@@ -10,6 +10,7 @@ minutes; claims of speed still come from ``bench_cpu.py`` on built packages.
     git worktree add /tmp/before HEAD~1
     python benchmarks/kernel_ab.py /tmp/before . decode bfloat16 stream 5 --rounds 10
     python benchmarks/kernel_ab.py /tmp/before . forward 4 512 128 0 9 --level avx2
+    python benchmarks/kernel_ab.py /tmp/before . forward 8 1024 64 1 11 float 2 bfloat16   # C2's shape, masked
 """
 
 from __future__ import annotations
@@ -70,7 +71,10 @@ def main() -> None:
     parser.add_argument("a", type=Path, help="source tree A (the baseline)")
     parser.add_argument("b", type=Path, help="source tree B (the change)")
     parser.add_argument(
-        "run", nargs="+", help="kernel_ab.cpp's arguments: decode DTYPE PLACE REPS [QUERIES], or forward H S D CAUSAL REPS"
+        "run",
+        nargs="+",
+        help="kernel_ab.cpp's arguments: decode DTYPE PLACE REPS [QUERIES], or forward H S D CAUSAL REPS "
+        "[MASK [THREADS [DTYPE]]]",
     )
     parser.add_argument("--level", choices=sorted(LEVEL_FLAGS), default="avx512")
     parser.add_argument("--rounds", type=int, default=10)

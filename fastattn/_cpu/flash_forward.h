@@ -210,7 +210,7 @@ static void forward_block(const FwdParams& p, T* scratch, int64_t b, int64_t kvh
             /* S[j][rows] = K Qp^T (scale already in Qp). */
             auto issue_scores_share = [&] {
                 ahead.issue(lines_per_score_call);
-                mask_lines.issue(mask_lines_per_call);
+                mask_lines.issue<2>(mask_lines_per_call);
             };
             if constexpr (spread_capable) {
                 if (spread_scores) {
