@@ -140,6 +140,17 @@ FwdParams params(int dtype, int64_t heads_kv, int64_t group, int64_t seq_q, int6
     return p;
 }
 
+/* Every work item of p once, on one OpenMP thread per scratch buffer (kept between calls, as the
+ * package keeps it), dynamically scheduled as the package schedules them. */
+template <typename In> void run_items(const FwdParams& p, std::vector<std::vector<char>>& scratch) {
+#pragma omp parallel num_threads((int)scratch.size())
+    {
+        char* own = scratch[omp_get_thread_num()].data();
+#pragma omp for schedule(dynamic)
+        for (int64_t item = 0; item < forward_items(p); ++item) run_item<float, In>(p, own, item);
+    }
+}
+
 /* Where decode's K and V lie while it reads them (see the usage above): the kv heads and keys that
  * put them there, the calls a repeat and the threads. */
 struct Place {
@@ -173,12 +184,7 @@ template <typename In> void decode(int dtype, const Place& place, int repeats, i
     for (int r = 0; r < repeats; ++r) {
         const auto start = std::chrono::steady_clock::now();
         for (int c = 0; c < calls; ++c) {
-#pragma omp parallel num_threads(threads)
-            {
-                char* own = scratch[omp_get_thread_num()].data();
-#pragma omp for schedule(dynamic)
-                for (int64_t item = 0; item < forward_items(p); ++item) run_item<float, In>(p, own, item);
-            }
+            run_items<In>(p, scratch);
         }
         times.push_back(seconds(start) / calls);
     }
@@ -247,12 +253,7 @@ void forward(int dtype, int64_t heads, int64_t positions, int64_t dim, bool caus
     std::vector<double> times;
     for (int r = 0; r < repeats; ++r) {
         const auto start = std::chrono::steady_clock::now();
-#pragma omp parallel num_threads(threads)
-        {
-            char* own = scratch[omp_get_thread_num()].data();
-#pragma omp for schedule(dynamic)
-            for (int64_t item = 0; item < forward_items(p); ++item) run_item<float, In>(p, own, item);
-        }
+        run_items<In>(p, scratch);
         times.push_back(seconds(start));
     }
     const double flops = 4.0 * heads * positions * positions * dim / (causal ? 2 : 1);
