@@ -14,13 +14,15 @@
  *                             threads, 20 times a repeat (K and V 8-16 MB: in L3 after the first
  *                             call, out of both L2s, as a short context's cache lies when each
  *                             decode step reads it again).  Prints ns a key (median).
- *   forward H S D CAUSAL REPS [MASK [THREADS [DTYPE]]]
- *                             forward of B 1, H heads, S positions and keys, head size D, in DTYPE
- *                             (float32 by default, bfloat16 or float16), 64 query rows an item and
- *                             128-key tiles as the planner takes them, on THREADS OpenMP threads (1
- *                             by default); MASK "float" or "bool" adds a full (1, H, S, S) mask (a
- *                             random bias in DTYPE, or ~10% of keys hidden at random), "none" (the
- *                             default) none.  Prints GFLOP/s (median).
+ *   forward H S D CAUSAL REPS [MASK [THREADS [DTYPE [GROUP]]]]
+ *                             forward of B 1, H query heads (H / GROUP kv heads; GROUP 1 by
+ *                             default, 4 for C5's GQA), S positions and keys, head size D, in DTYPE
+ *                             (float32 by default, bfloat16 or float16), 64 query rows an item
+ *                             (64 / GROUP positions of each head of a group) and 128-key tiles as
+ *                             the planner takes them, on THREADS OpenMP threads (1 by default);
+ *                             MASK "float" or "bool" adds a full (1, H, S, S) mask (a random bias
+ *                             in DTYPE, or ~10% of keys hidden at random), "none" (the default)
+ *                             none.  Prints GFLOP/s (median).
  *
  * Every line also prints a checksum of the output, which two trees that should agree bit for bit
  * must print alike. */
@@ -234,18 +236,20 @@ template <typename In> struct FullMask {
 
 template <typename In>
 void forward(int dtype, int64_t heads, int64_t positions, int64_t dim, bool causal, int repeats,
-             const std::string& mask_name, int threads) {
-    std::vector<In> q(heads * positions * dim), k(q.size()), v(q.size()), out(q.size());
+             const std::string& mask_name, int threads, int64_t group) {
+    std::vector<In> q(heads * positions * dim), k(q.size() / group), v(k.size()), out(q.size());
     std::vector<float> lse(heads * positions);
     for (size_t i = 0; i < q.size(); ++i) {
         q[i] = stored<In>(draw(i));
+    }
+    for (size_t i = 0; i < k.size(); ++i) {
         k[i] = stored<In>(draw(i + q.size()));
         v[i] = stored<In>(draw(i + 2 * q.size()));
     }
     const FullMask<In> mask(mask_name, heads * positions * positions, 3 * q.size());
     int nonfinite = 0;
-    FwdParams p = params(dtype, heads, 1, positions, positions, dim, 64, q.data(), k.data(), v.data(), out.data(),
-                         lse.data());
+    FwdParams p = params(dtype, heads / group, group, positions, positions, dim, 64 / group, q.data(), k.data(),
+                         v.data(), out.data(), lse.data());
     p.causal = causal;
     p.nonfinite_output = &nonfinite;
     mask.apply(p, heads, positions);
@@ -264,7 +268,7 @@ void forward(int dtype, int64_t heads, int64_t positions, int64_t dim, bool caus
 
 int usage() {
     std::fprintf(stderr, "usage: kernel_ab decode float32|bfloat16|float16 stream|cache|l3 REPS [QUERIES]\n"
-                         "       kernel_ab forward H S D CAUSAL(0|1) REPS [none|float|bool [THREADS [DTYPE]]]\n");
+                         "       kernel_ab forward H S D CAUSAL(0|1) REPS [none|float|bool [THREADS [DTYPE [GROUP]]]]\n");
     return 2;
 }
 
@@ -296,19 +300,21 @@ int main(int argc, char** argv) {
             return usage();
         return 0;
     }
-    if (argc >= 7 && argc <= 10 && std::string(argv[1]) == "forward") {
-        const std::string mask = argc >= 8 ? argv[7] : "none", dtype = argc == 10 ? argv[9] : "float32";
+    if (argc >= 7 && argc <= 11 && std::string(argv[1]) == "forward") {
+        const std::string mask = argc >= 8 ? argv[7] : "none", dtype = argc >= 10 ? argv[9] : "float32";
         const int threads = argc >= 9 ? std::atoi(argv[8]) : 1;
+        const int64_t group = argc == 11 ? std::atoi(argv[10]) : 1;
         if ((mask != "none" && mask != "float" && mask != "bool") || threads < 1) return usage();
         const int64_t heads = std::atoi(argv[2]), positions = std::atoi(argv[3]), dim = std::atoi(argv[4]);
+        if (group < 1 || group > 64 || heads % group != 0 || 64 % group != 0) return usage();
         const bool causal = std::atoi(argv[5]) != 0;
         const int repeats = std::atoi(argv[6]);
         if (dtype == "float32")
-            forward<float>(DTYPE_FLOAT32, heads, positions, dim, causal, repeats, mask, threads);
+            forward<float>(DTYPE_FLOAT32, heads, positions, dim, causal, repeats, mask, threads, group);
         else if (dtype == "bfloat16")
-            forward<bfloat16_bits>(DTYPE_BFLOAT16, heads, positions, dim, causal, repeats, mask, threads);
+            forward<bfloat16_bits>(DTYPE_BFLOAT16, heads, positions, dim, causal, repeats, mask, threads, group);
         else if (dtype == "float16")
-            forward<half_bits>(DTYPE_FLOAT16, heads, positions, dim, causal, repeats, mask, threads);
+            forward<half_bits>(DTYPE_FLOAT16, heads, positions, dim, causal, repeats, mask, threads, group);
         else
             return usage();
         return 0;

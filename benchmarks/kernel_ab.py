@@ -11,6 +11,7 @@ minutes; claims of speed still come from ``bench_cpu.py`` on built packages.
     python benchmarks/kernel_ab.py /tmp/before . decode bfloat16 stream 5 --rounds 10
     python benchmarks/kernel_ab.py /tmp/before . forward 4 512 128 0 9 --level avx2
     python benchmarks/kernel_ab.py /tmp/before . forward 8 1024 64 1 11 float 2 bfloat16   # C2's shape, masked
+    python benchmarks/kernel_ab.py /tmp/before . forward 32 2048 128 1 5 float 2 bfloat16 4   # C5's (GQA 4)
 """
 
 from __future__ import annotations
